@@ -1,0 +1,311 @@
+"""Checkpoints: this module alone decides when to save, what to keep and which one is latest.
+
+Layout, in <run_dir>/checkpoints/:
+    step_00000100.pt     torch.save of a dict of tensors and plain types (torch.load(weights_only=True))
+    step_00000100.json   its size and CRC-32, written after the .pt is in place
+    latest               the name of the latest complete checkpoint
+A write goes to a temporary file in the same directory, is fsynced and renamed into place, then the
+directory is fsynced; only then does `latest` move. A process killed at any point leaves the previous
+checkpoint intact, and a checkpoint without its .json, or whose bytes fail the CRC, never counts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from train.config import Config, ConfigError, to_dict
+
+FORMAT = 1
+NAME = re.compile(r"^step_(\d{8})\.pt$")
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
+
+
+# ---------------------------------------------------------------- files
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _CRCWriter(io.RawIOBase):
+    """A file that keeps a running CRC-32 of what torch.save streams into it."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += len(b)
+        return self.f.write(b)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_checkpoint(state: dict, directory: Path, step: int) -> Path:
+    """Write one complete checkpoint and move `latest` to it (the caller is the one writing rank)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:08d}.pt"
+    meta = {}
+
+    def write_pt(f):
+        w = _CRCWriter(f)
+        torch.save(state, w)
+        meta.update(crc32=w.crc, bytes=w.size)
+
+    _write_atomic(path, write_pt)
+    meta |= {"step": step, "file": path.name, "time": time.time()}
+    _write_atomic(path.with_suffix(".json"), lambda f: f.write(json.dumps(meta).encode()))
+    _fsync_dir(directory)
+    _write_atomic(directory / "latest", lambda f: f.write(f"{path.name}\n".encode()))
+    _fsync_dir(directory)
+    return path
+
+
+def read_checkpoint(path: Path) -> dict:
+    """Load and verify one checkpoint; raises ValueError saying what is wrong with it."""
+    meta_path = path.with_suffix(".json")
+    if not meta_path.exists():
+        raise ValueError("incomplete (no .json: the save did not finish)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        data = path.read_bytes()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable ({e})") from None
+    if len(data) != meta.get("bytes") or zlib.crc32(data) != meta.get("crc32"):
+        raise ValueError(f"fails its checksum ({len(data)} bytes, expected {meta.get('bytes')})")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # a file that passes its CRC but does not load is corrupt all the same
+        raise ValueError(f"does not load ({type(e).__name__}: {e})") from None
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints with their .json, newest first, none newer than the one `latest` names."""
+    if not directory.is_dir():
+        return []
+    found = sorted((p for p in directory.iterdir() if NAME.match(p.name) and p.with_suffix(".json").exists()),
+                   reverse=True)
+    latest = directory / "latest"
+    if latest.exists():
+        name = latest.read_text().strip()
+        if NAME.match(name):
+            found = [p for p in found if p.name <= name]
+    return found
+
+
+# ---------------------------------------------------------------- state
+
+def _rng_state(device: torch.device) -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    *mt, version, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _to_host(obj):
+    """A copy on the CPU that training can no longer change (for asynchronous saving)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def _model_mismatch(expected: dict, got: dict) -> str | None:
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    problems = []
+    if shapes:
+        problems.append(f"{len(shapes)} shape(s) differ, first {shapes[0]} (checkpoint vs config)")
+    if missing:
+        problems.append(f"{len(missing)} missing, first {missing[0]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected, first {unexpected[0]}")
+    return "; ".join(problems) or None
+
+
+# ---------------------------------------------------------------- the manager
+
+class Checkpointer:
+    def __init__(self, cfg: Config, rank: int, world_size: int, log):
+        self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
+        self.dir = cfg.run_dir / "checkpoints"
+        self.stop_signal: str | None = None
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
+
+    # ---- stop requests
+    def install_signal_handler(self) -> None:
+        sig = getattr(signal, self.cfg.checkpoint.signal)
+
+        def request_stop(signum, frame):  # only sets a flag: the loop stops at the next step boundary
+            self.stop_signal = signal.Signals(signum).name
+
+        signal.signal(sig, request_stop)
+
+    def stop_agreed(self, device: torch.device) -> bool:
+        """All ranks agree to stop if any got the signal (an all-reduce, so nobody waits alone)."""
+        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ---- saving
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def save(self, parts, blocking: bool = False) -> None:
+        """Called on every rank (the RNG states are gathered); rank 0 writes."""
+        rngs = [None] * self.world_size
+        dist.all_gather_object(rngs, _rng_state(parts.device))
+        if self.rank != 0:
+            return
+        self.wait()  # the next save waits for the previous one
+        state = {
+            "format": FORMAT,
+            "model": parts.raw.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scaler": parts.scaler.state_dict(),
+            "step": parts.step,
+            "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
+            "rng": rngs,
+            "world_size": self.world_size,
+            "config": to_dict(self.cfg),
+            "tracker": {"run_id": self.tracker_id},
+        }
+        if self.cfg.checkpoint.async_ and not blocking:
+            state = _to_host(state)  # training blocks only for this copy
+            self._pending = threading.Thread(target=self._write, args=(state, parts.step), daemon=True)
+            self._pending.start()
+        else:
+            self._write(state, parts.step)
+            self._raise_pending_error()
+
+    def _write(self, state: dict, step: int) -> None:
+        try:
+            t = time.perf_counter()
+            path = write_checkpoint(state, self.dir, step)
+            self._retain()
+            self.log.info(f"saved {path} in {time.perf_counter() - t:.2f} s")
+        except BaseException as e:  # reported by the training thread at the next save or at exit
+            self._error = e
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"checkpoint save failed: {err}") from err
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        self._raise_pending_error()
+
+    def _retain(self) -> None:
+        """Keep the newest `keep` checkpoints and, with keep_every, every K-th step for good."""
+        c = self.cfg.checkpoint
+        ckpts = sorted((p for p in self.dir.iterdir() if NAME.match(p.name)), reverse=True)
+        for p in ckpts[c.keep:]:
+            step = int(NAME.match(p.name).group(1))
+            if c.keep_every and step % c.keep_every == 0:
+                continue
+            p.with_suffix(".json").unlink(missing_ok=True)  # first: without it the .pt no longer counts
+            p.unlink(missing_ok=True)
+
+    # ---- resuming
+    def find_resume(self) -> list[Path]:
+        """Candidates to resume from, best first, per cfg.resume."""
+        r = self.cfg.resume
+        if r == "never":
+            return []
+        if r == "auto":
+            return complete_checkpoints(self.dir)
+        p = Path(r)
+        if p.is_file():
+            return [p]
+        for d in (p, p / "checkpoints"):
+            if d.is_dir() and (found := complete_checkpoints(d)):
+                return found
+        raise ConfigError(f"resume: {r} is neither a checkpoint file nor a folder holding checkpoints")
+
+    def resume(self, parts) -> bool:
+        """Load the best complete checkpoint into parts; False when starting fresh."""
+        for path in self.find_resume():
+            try:
+                state = read_checkpoint(path)
+            except ValueError as e:
+                self.log.warning(f"checkpoint {path} {e}; trying the previous one")
+                continue
+            self._load(parts, state, path)
+            return True
+        if self.cfg.resume not in ("auto", "never"):
+            raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
+        return False
+
+    def _load(self, parts, state: dict, path: Path) -> None:
+        if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
+            raise ConfigError(f"checkpoint {path} does not match model.name={self.cfg.model.name}: {problem}")
+        parts.raw.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optimizer"])
+        parts.scaler.load_state_dict(state["scaler"])
+        parts.step = int(state["step"])
+        parts.stream.load_state_dict(state["data"])
+        self.tracker_id = state.get("tracker", {}).get("run_id")
+        if state["world_size"] == self.world_size:
+            _set_rng_state(state["rng"][self.rank], parts.device)
+        else:
+            seen = state["step"] * self.cfg.train.global_batch_size
+            self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "
+                             f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
+        self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
+                      f"{parts.stream.samples_in_epoch} samples into it)")

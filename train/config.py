@@ -1,0 +1,296 @@
+"""Typed configuration: defaults < YAML file < command-line overrides.
+
+Every key lives in a dataclass below; the YAML files in configs/ mirror them. Unknown keys, values of
+the wrong type and values out of range raise ConfigError, which the entry point turns into a one-line
+message and exit code 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+RESNETS = (
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
+    "wide_resnet50_2", "wide_resnet101_2",
+)
+
+
+class ConfigError(ValueError):
+    """A usage error in the configuration: reported in one line, exit code 2."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    dir: str = ""  # empty: runs/<name>
+
+
+@dataclass
+class DataConfig:
+    name: Literal["builtin", "cifar10", "imagefolder"] = "builtin"
+    path: str = ""  # cifar10: the cifar-10-batches-py folder; imagefolder: a folder with train/ and val/
+    image_size: int = 32
+    num_classes: int = 10  # builtin data only; cifar10 has 10, imagefolder counts its folders
+    train_samples: int = 8192  # builtin data only
+    eval_samples: int = 2048  # builtin data only
+    augment: bool = True  # random crop and flip, seeded per sample so a resume sees the same pixels
+    num_workers: int = 2
+    pin_memory: bool = True  # only used with CUDA
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"
+    small_input: bool = True  # 3x3 stem without max-pool when image_size <= 64 (CIFAR-style)
+    norm: Literal["batch", "group"] = "batch"
+    sync_bn: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.1  # peak learning rate, reached after warmup_steps
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    beta1: float = 0.9  # adamw
+    beta2: float = 0.999  # adamw
+    weight_decay: float = 5e-4  # not applied to biases and norm weights
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 64  # over all ranks and micro-steps: the same run on any world size
+    micro_batch_size: int = 32  # per rank and forward pass; accumulation steps follow from the two
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: float = 0.0  # max global grad norm, 0 disables
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    channels_last: bool = False
+    compile: bool = False
+    tf32: bool = True  # TF32 matmuls and convolutions on GPUs that have them
+    deterministic: bool = False  # deterministic kernels (slower on GPU; CPU is deterministic anyway)
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
+    timeout_s: float = 600.0  # init and collectives; a hung rank fails the job after this
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0: only at the end and on a stop signal)
+    keep: int = 2  # keep the last N checkpoints (at least 2)
+    keep_every: int = 0  # also keep every K-th step for good (0: none)
+    async_: bool = False  # YAML/CLI key: checkpoint.async; write in the background after a host copy
+    signal: Literal["SIGTERM", "SIGUSR1", "SIGUSR2"] = "SIGTERM"  # save and exit 75 ("requeue me") on it
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    resume: str = "auto"  # auto | never | PATH
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    def accum_steps(self, world_size: int) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+
+
+# ---------------------------------------------------------------- key names and (de)serialisation
+
+def _key(f: dataclasses.Field) -> str:
+    """The name a field has in YAML and on the command line (`async_` is `async`)."""
+    return f.name.rstrip("_")
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + _key(f)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _all_keys(hints[f.name], name + ".")
+        else:
+            keys.append(name)
+    return keys
+
+
+def _unknown(key: str, prefix: str) -> ConfigError:
+    valid = _all_keys(Config)
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    if not near:  # fall back to the keys of the same section
+        near = [k for k in valid if k.startswith(prefix)][:5] if prefix else []
+    hint = f" (did you mean {', '.join(repr(k) for k in near)}?)" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check one value against its annotated type; ints are accepted for floats, nothing else is."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _merge(obj: Any, data: dict, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    fields = {_key(f): f for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in fields:
+            raise _unknown(key, prefix)
+        f = fields[k]
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            _merge(getattr(obj, f.name), v, key + ".")
+        else:
+            setattr(obj, f.name, _coerce(key, v, tp))
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = data.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"'{dotted}': '{p}' is not a section")
+        data = node
+    data[parts[-1]] = value
+
+
+def to_dict(obj: Any) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out[_key(f)] = to_dict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config from to_dict() output (a checkpoint's or a run directory's config)."""
+    cfg = Config()
+    _merge(cfg, data)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- loading and validation
+
+def load(path: str | None, overrides: list[str]) -> Config:
+    """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars)."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        _merge(cfg, data)
+    cli: dict = {}
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override '{item}' is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(cli, key.strip(), value)
+    _merge(cfg, cli)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Range checks; with world_size, also the batch arithmetic of that world."""
+    t, d, o, c = cfg.train, cfg.data, cfg.optim, cfg.checkpoint
+    _require(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
+    _require(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
+    _require(t.global_batch_size > 0, f"train.global_batch_size must be > 0, got {t.global_batch_size}")
+    _require(t.global_batch_size % t.micro_batch_size == 0,
+             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+             f"train.micro_batch_size ({t.micro_batch_size})")
+    _require(t.log_every > 0, f"train.log_every must be > 0, got {t.log_every}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(0 <= o.momentum < 1, f"optim.momentum must be in [0, 1), got {o.momentum}")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _require(cfg.model.name in RESNETS,
+             f"model.name: '{cfg.model.name}' is not a torchvision ResNet"
+             + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(cfg.model.name, RESNETS, 1))
+                else f" (one of {', '.join(RESNETS)})"))
+    _require(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
+    _require(d.num_classes >= 2, f"data.num_classes must be >= 2, got {d.num_classes}")
+    _require(d.train_samples > 0 and d.eval_samples > 0, "data.train_samples and data.eval_samples must be > 0")
+    _require(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    _require(d.prefetch_factor > 0, f"data.prefetch_factor must be > 0, got {d.prefetch_factor}")
+    _require(d.name == "builtin" or d.path, f"data.path is required with data.name={d.name}")
+    _require(cfg.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {cfg.dist.timeout_s}")
+    _require(cfg.dist.bucket_cap_mb > 0, f"dist.bucket_cap_mb must be > 0, got {cfg.dist.bucket_cap_mb}")
+    _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
+    _require(c.keep >= 2, f"checkpoint.keep must be >= 2, got {c.keep}")
+    _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
+    _require(bool(cfg.run.name) and "/" not in cfg.run.name,
+             f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
+    if world_size is not None:
+        per_step = t.micro_batch_size * world_size
+        _require(t.global_batch_size % per_step == 0,
+                 f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                 f"train.micro_batch_size x world size ({t.micro_batch_size} x {world_size} = {per_step})")

@@ -1,0 +1,146 @@
+"""Where am I, who are my peers: launch-environment detection, process-group setup and teardown.
+
+Three launch environments are recognised, in this order:
+- torchrun (also a PyTorchJob or compose running torchrun): RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+  MASTER_PORT;
+- `srun` with one task per process: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS inside a job step;
+- nothing: a single process (world size 1).
+A group is always created, a one-process group in the last case, so the rest of the code has no
+"am I distributed?" branches.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from train.config import ConfigError
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun | slurm | single
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _slurm_master(env: Mapping[str, str]) -> str:
+    """The first host of the allocation, as `scontrol show hostnames` expands it."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if nodelist and all(c not in nodelist for c in "[,"):
+        return nodelist
+    raise ConfigError(f"cannot find the first node of SLURM_JOB_NODELIST={nodelist!r}: set MASTER_ADDR")
+
+
+def detect(env: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the launch environment; a partial one is a ConfigError naming what is missing."""
+    env = os.environ if env is None else env
+    present = [v for v in TORCHRUN_VARS if v in env]
+    if present:
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        if missing:
+            raise ConfigError(f"incomplete torchrun environment: {', '.join(present)} set but "
+                              f"{', '.join(missing)} missing; launch with torchrun or unset them")
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK")
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        launcher = "torchrun"
+        addr, port = env["MASTER_ADDR"], _int(env, "MASTER_PORT")
+    elif "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        # Inside `srun`, one task per process. A batch script alone (no step) is not a launch.
+        need = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID")
+        missing = [v for v in need if v not in env]
+        if missing:
+            raise ConfigError(f"incomplete SLURM environment: {', '.join(missing)} missing")
+        rank, world, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_LOCALID")
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+        local_world = int(per_node.split("(")[0].split(",")[0])
+        launcher = "slurm"
+        addr = env.get("MASTER_ADDR") or _slurm_master(env)
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + _int(env, "SLURM_JOB_ID") % 20000
+    else:
+        return DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "single")
+    if not 0 <= rank < world or not 0 <= local_rank < max(local_world, 1):
+        raise ConfigError(f"inconsistent launch environment: rank {rank}, local rank {local_rank}, "
+                          f"world size {world}, local world size {local_world}")
+    return DistEnv(rank, local_rank, world, local_world, addr, port, launcher)
+
+
+def device_for(denv: DistEnv) -> torch.device:
+    """One CUDA device per local rank; CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if denv.local_rank >= count:
+        raise ConfigError(f"local rank {denv.local_rank} has no GPU: this node has {count}; "
+                          f"start at most {count} processes per node (--nproc-per-node)")
+    return torch.device("cuda", denv.local_rank)
+
+
+def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
+    """Bind the device and create the process group (nccl on CUDA, gloo on CPU)."""
+    device = device_for(denv)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo (or auto) on CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if denv.launcher == "single":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        # env:// so that under torchrun the workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE).
+        os.environ.setdefault("MASTER_ADDR", denv.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(denv.master_port))
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, init_method="env://", rank=denv.rank,
+                                world_size=denv.world_size, timeout=timeout, **kwargs)
+    return device
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few Python numbers over all ranks (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def hostname() -> str:
+    return socket.gethostname()
