@@ -169,6 +169,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -183,6 +188,9 @@ def _merge(obj: Any, data: dict, prefix: str = "") -> None:
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
+            while isinstance(v, dict) and v:  # name the whole key the user wrote: trian.steps
+                k, v = next(iter(v.items()))
+                key += f".{k}"
             raise _unknown(key, prefix)
         f = fields[k]
         tp = hints[f.name]

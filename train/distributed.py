@@ -67,7 +67,7 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
     """Read the launch environment; a partial one is a ConfigError naming what is missing."""
     env = os.environ if env is None else env
     present = [v for v in TORCHRUN_VARS if v in env]
-    if present:
+    if any(v in env for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # MASTER_* alone may be a user's export
         missing = [v for v in TORCHRUN_VARS if v not in env]
         if missing:
             raise ConfigError(f"incomplete torchrun environment: {', '.join(present)} set but "

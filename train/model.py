@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch.nn as nn
-import torchvision
 
 from train.config import ModelConfig
 
 
 def build(cfg: ModelConfig, num_classes: int, image_size: int) -> nn.Module:
+    import torchvision  # slow to import: only where a model is built
+
     norm = None
     if cfg.norm == "group":  # no batch statistics: results independent of how a batch is split
         def norm(channels: int) -> nn.Module:

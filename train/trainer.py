@@ -1,21 +1,26 @@
-"""The training loop: one optimizer step = `accum` micro-batches on every rank, then all-reduced grads."""
+"""Build the parts, resume, and train: one optimizer step = `accum` micro-batches on every rank."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import random
+import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import distributed, optim
-from train.checkpoint import Checkpointer
-from train.config import Config
+from train import data, distributed, model, optim
+from train.checkpoint import EXIT_REQUEUE, Checkpointer
+from train.config import Config, ConfigError
 from train.log import RunLog
+
+EXIT_USAGE = 2
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,4 +147,74 @@ def fit(parts: Parts, ckpt: Checkpointer) -> dict | None:
     return {"steps": parts.step, "world_size": parts.world_size, "train_loss": train_loss,
             "eval_loss": eval_loss, "eval_accuracy": eval_acc,
             "samples_per_s": (parts.step - start_step) * cfg.train.global_batch_size / max(wall, 1e-9),
-            "wall_s": wall, "ranks_in_sync": ranks_in_sync(parts), "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
+            "wall_s": wall, "ranks_in_sync": ranks_in_sync(parts),
+            "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
+
+
+def configure_torch(cfg: Config) -> None:
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    torch.backends.cudnn.benchmark = not cfg.train.deterministic
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts:
+    stream, eval_loader, num_classes = data.loaders(cfg, denv.rank, denv.world_size, device.type == "cuda")
+    if cfg.model.sync_bn and device.type != "cuda":
+        raise ConfigError("model.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use model.norm=group")
+    log = RunLog(cfg.run_dir, denv)  # only now: a config or data error leaves nothing behind
+    raw = model.build(cfg.model, num_classes, cfg.data.image_size).to(device)
+    if cfg.train.channels_last:
+        raw = raw.to(memory_format=torch.channels_last)
+    ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+              static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
+    step_model = torch.compile(ddp) if cfg.train.compile else ddp
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    return Parts(cfg=cfg, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
+                 step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
+                 stream=stream, eval_loader=eval_loader, log=log)
+
+
+def run(cfg: Config, denv: distributed.DistEnv) -> int:
+    """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code."""
+    configure_torch(cfg)
+    parts = ckpt = None
+    try:
+        device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
+        parts = build(cfg, denv, device)
+        log = parts.log
+        ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
+        ckpt.install_signal_handler()
+        if ckpt.resume(parts):  # a mismatched checkpoint raises here, before anything is written
+            log.truncate_metrics(parts.step)
+        log.run_info(cfg, denv, device)
+        if parts.step >= cfg.train.steps:
+            log.info(f"run {cfg.run_dir} is already complete at step {parts.step}; nothing to do")
+            return 0
+        log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
+                 f"{cfg.accum_steps(denv.world_size)} micro-step(s) of {cfg.train.micro_batch_size} per rank, "
+                 f"run dir {cfg.run_dir}")
+        summary = fit(parts, ckpt)
+        ckpt.wait()
+        if summary is None:
+            return EXIT_REQUEUE
+        log.summary(summary)
+        log.info(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f}, "
+                 f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_s']:.1f} s")
+        return 0
+    except ConfigError as e:
+        prefix = f"[rank {denv.rank}] " if denv.world_size > 1 else ""
+        print(f"{prefix}error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if ckpt is not None:
+            ckpt.wait()  # an asynchronous save in flight is finished, never abandoned
+        if parts is not None:
+            parts.log.close()
+        distributed.teardown()
+

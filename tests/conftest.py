@@ -1,0 +1,74 @@
+"""Shared helpers: run the real entry point (single process or torchrun with gloo) on a tiny config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# The default config shrunk to a few CPU seconds: 16x16 images, 256 samples (16 steps per epoch).
+TINY = [
+    "data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0",
+    "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
+    "train.steps=6", "checkpoint.every=0", "optim.warmup_steps=2",
+]
+
+# Variables a launcher would set: tests start from none of them.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def train_cmd(run_dir: Path, *overrides: str, nproc: int = 1, tiny: bool = True) -> list[str]:
+    args = ["--config", "configs/default.yaml", *(TINY if tiny else []), f"run.dir={run_dir}", *overrides]
+    if nproc == 1:
+        return [PY, "-m", "train", *args]
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *args]
+
+
+def run_train(run_dir: Path, *overrides: str, nproc: int = 1, expect: int | None = 0, timeout: float = 300,
+              tiny: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run training to the end; assert its exit code (unless expect is None)."""
+    proc = subprocess.run(train_cmd(run_dir, *overrides, nproc=nproc, tiny=tiny), cwd=ROOT, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if expect is not None:
+        assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
+
+
+def latest_state(run_dir: Path) -> dict:
+    ckpt = run_dir / "checkpoints"
+    return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_marker(request):
+    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")

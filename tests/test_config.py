@@ -1,0 +1,110 @@
+"""Configuration: every shipped file loads, overrides are typed, bad input exits 2 in one line."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PY, ROOT, clean_env
+from train import config
+from train.config import ConfigError
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path):
+    cfg = config.load(str(path), [])
+    assert cfg.train.steps > 0 and cfg.model.name in config.RESNETS
+
+
+def test_overrides_are_typed():
+    cfg = config.load("configs/default.yaml", ["optim.lr=1e-3", "train.steps=5", "train.precision=bf16",
+                                               "checkpoint.async=true", "run.name=123", "dist.timeout_s=30"])
+    assert cfg.optim.lr == 0.001 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.steps == 5 and isinstance(cfg.train.steps, int)
+    assert cfg.train.precision == "bf16"
+    assert cfg.checkpoint.async_ is True
+    assert cfg.run.name == "123" and cfg.run_dir == Path("runs/123")
+    assert cfg.dist.timeout_s == 30.0 and isinstance(cfg.dist.timeout_s, float)
+
+
+def test_precedence_defaults_then_yaml_then_cli(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("train:\n  steps: 7\n  log_every: 3\noptim:\n  lr: 0.5\n")
+    cfg = config.load(str(f), ["train.steps=9"])
+    assert cfg.train.steps == 9  # CLI beats YAML
+    assert cfg.train.log_every == 3 and cfg.optim.lr == 0.5  # YAML beats defaults
+    assert cfg.train.micro_batch_size == config.TrainConfig().micro_batch_size  # defaults fill the rest
+
+
+def test_config_round_trips_through_dict():
+    cfg = config.load("configs/default.yaml", ["checkpoint.async=true"])
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lrr=0.1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'"),
+    (["trian.steps=3"], "did you mean 'train.steps'"),
+    (["train.steps=abc"], "train.steps: expected int, got str"),
+    (["train.steps=1.5"], "train.steps: expected int, got float"),
+    (["optim.lr=-0.1"], "optim.lr must be > 0"),
+    (["train.precision=fp8"], "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
+    (["model.name=resnet19"], "did you mean 'resnet18'"),
+    (["train.global_batch_size=48", "train.micro_batch_size=32"], "must be a multiple of train.micro_batch_size"),
+    (["checkpoint.keep=1"], "checkpoint.keep must be >= 2"),
+    (["data.name=cifar10"], "data.path is required"),
+    (["train.steps"], "is not of the form key.sub=value"),
+])
+def test_bad_value_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PY, "-m", "train", f"run.dir={run_dir}", *overrides], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_batch_must_divide_over_the_world_size(tmp_path):
+    """A torchrun environment of 3 ranks with a global batch of 64 = 32 x 2 is refused before any I/O."""
+    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    proc = subprocess.run([PY, "-m", "train", f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "micro_batch_size x world size (32 x 3 = 96)" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_partial_launch_environment_is_named(tmp_path):
+    env = clean_env(RANK="1", WORLD_SIZE="2")
+    proc = subprocess.run([PY, "-m", "train", f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "incomplete torchrun environment" in proc.stderr and "LOCAL_RANK" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        config.load(str(tmp_path / "nope.yaml"), [])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1,\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        config.load(str(bad), [])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match="train: expected a mapping"):
+        config.load(str(nested), [])
+
+
+def test_slurm_step_environment_is_detected():
+    from train import distributed
+
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+           "SLURM_JOB_ID": "1234", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "n1"}
+    d = distributed.detect(env)
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size, d.launcher) == (3, 1, 4, 2, "slurm")
+    assert d.nodes == 2 and d.master_addr == "n1" and d.master_port == 20000 + 1234
+    # A batch script without a step is not a launch: a single process.
+    assert distributed.detect({"SLURM_JOB_ID": "1234", "SLURM_PROCID": "0"}).launcher == "single"

@@ -1,0 +1,123 @@
+"""The training core on real processes: DDP averaging, accumulation, precision, evaluation, learning."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.conftest import latest_state, run_train, summary
+from train import config, data, model
+
+# No batch statistics (a batch split over ranks is then the same batch), and a gentle lr so that
+# float rounding differences are not amplified by a chaotic start.
+GROUPNORM = ["model.norm=group", "optim.lr=0.005"]
+
+
+def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=f"{k} differs")
+
+
+def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(one, *GROUPNORM, "train.micro_batch_size=16", "checkpoint.every=6")
+    run_train(two, *GROUPNORM, "checkpoint.every=6", nproc=2)  # 2 ranks x 8
+    assert summary(one)["world_size"] == 1 and summary(two)["world_size"] == 2
+    _close(latest_state(one)["model"], latest_state(two)["model"])
+    assert summary(two)["ranks_in_sync"] is True  # every rank ends with bitwise the same weights
+
+
+def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
+    big, accum = tmp_path / "big", tmp_path / "accum"
+    run_train(big, *GROUPNORM, "train.micro_batch_size=16")
+    run_train(accum, *GROUPNORM, "train.micro_batch_size=4")  # 4 micro-steps of 4
+    _close(latest_state(big)["model"], latest_state(accum)["model"])
+
+
+def test_accumulation_skips_the_all_reduce_with_two_ranks(tmp_path):
+    """2 ranks x 2 micro-steps x 4 (no_sync on the first) = 2 ranks x 1 x 8."""
+    plain, accum = tmp_path / "plain", tmp_path / "accum"
+    run_train(plain, *GROUPNORM, nproc=2)
+    run_train(accum, *GROUPNORM, "train.micro_batch_size=4", nproc=2)
+    _close(latest_state(plain)["model"], latest_state(accum)["model"])
+
+
+def test_bf16_runs_on_cpu_with_clipping(tmp_path):
+    run_train(tmp_path, "train.precision=bf16", "train.grad_clip=1.0", nproc=2)
+    s = summary(tmp_path)
+    assert s["precision"] == "bf16" and math.isfinite(s["train_loss"]) and math.isfinite(s["eval_loss"])
+
+
+def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
+    """The reported accuracy is that of the whole eval set, recomputed here from the final weights."""
+    run_train(tmp_path, *GROUPNORM, "data.eval_samples=200", "train.steps=12", "optim.lr=0.05", nproc=2)
+    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.eval_samples=200", *GROUPNORM])
+    _, eval_set, classes = data.datasets(cfg)
+    net = model.build(cfg.model, classes, cfg.data.image_size)
+    net.load_state_dict(latest_state(tmp_path)["model"])
+    net.eval()
+    correct = []
+    with torch.no_grad():
+        for i in range(len(eval_set)):
+            x, y = eval_set[(i, 0)]
+            correct.append(int(net(x[None]).argmax(1).item() == y))
+    whole = sum(correct) / len(correct)
+    rank0_shard = sum(correct[0::2]) / len(correct[0::2])
+    assert summary(tmp_path)["eval_accuracy"] == pytest.approx(whole, abs=1.5 / len(correct))
+    assert len(correct) == 200  # and not rank 0's 100 samples alone
+    print(f"whole set {whole:.3f}, rank 0's shard alone {rank0_shard:.3f}")
+
+
+def test_short_run_learns_the_builtin_data(tmp_path):
+    run_train(tmp_path, "data.train_samples=2048", "data.eval_samples=256", "train.steps=40",
+              "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=10",
+              "optim.lr=0.05", "optim.warmup_steps=4", nproc=2)
+    s = summary(tmp_path)
+    assert s["eval_accuracy"] > 0.5, s  # chance is 0.1
+    assert s["steps"] == 40 and s["samples_per_s"] > 0 and s["wall_s"] > 0
+
+
+def test_run_directory_holds_what_a_user_needs(tmp_path):
+    run_train(tmp_path, nproc=2)
+    assert (tmp_path / "config.yaml").exists() and (tmp_path / "run_info.json").exists()
+    assert (tmp_path / "logs" / "rank0.log").exists() and (tmp_path / "logs" / "rank1.log").exists()
+    s = summary(tmp_path)
+    assert {"steps", "world_size", "train_loss", "eval_loss", "eval_accuracy", "samples_per_s", "wall_s"} <= s.keys()
+    info = (tmp_path / "run_info.json").read_text()
+    assert '"torch"' in info and '"git_commit"' in info and '"hardware"' in info
+    loaded = config.load(str(tmp_path / "config.yaml"), [])
+    assert loaded.train.steps == 6 and loaded.data.image_size == 16  # the resolved config, reloadable
+
+
+def test_sync_batchnorm_on_cpu_is_a_usage_error(tmp_path):
+    proc = run_train(tmp_path / "run", "model.sync_bn=true", expect=2)
+    assert "model.sync_bn needs CUDA GPUs" in proc.stderr and "model.norm=group" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_fp16_channels_last_compile_sync_bn(tmp_path):
+    n = torch.cuda.device_count()
+    run_train(tmp_path, "train.precision=fp16", "train.channels_last=true", "train.compile=true",
+              "model.sync_bn=true", f"train.global_batch_size={8 * n}", nproc=n, timeout=900)
+    s = summary(tmp_path)
+    assert s["world_size"] == n and math.isfinite(s["train_loss"]) and s["ranks_in_sync"]
+    assert "nccl" in json.loads((tmp_path / "run_info.json").read_text())["versions"]
+    state = latest_state(tmp_path)
+    assert state["scaler"]["scale"] > 0  # the GradScaler ran and was saved
+
+
+@pytest.mark.gpu
+def test_gpu_ddp_matches_single_process(tmp_path):
+    """The averaging math on NCCL: 2 GPUs x half batch == 1 GPU x whole batch (TF32 off)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(one, *GROUPNORM, "train.tf32=false", "train.micro_batch_size=16")
+    run_train(two, *GROUPNORM, "train.tf32=false", nproc=2)
+    _close(latest_state(one)["model"], latest_state(two)["model"], rtol=1e-3, atol=1e-5)
