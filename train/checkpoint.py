@@ -280,6 +280,9 @@ class Checkpointer:
 
     def resume(self, parts) -> bool:
         """Load the best complete checkpoint into parts; False when starting fresh."""
+        if self.rank == 0 and self.dir.is_dir():  # leftovers of a save that was killed: never counted
+            for p in self.dir.glob(".*.tmp*"):
+                p.unlink(missing_ok=True)
         for path in self.find_resume():
             try:
                 state = read_checkpoint(path)

@@ -1,0 +1,124 @@
+"""Data: the built-in set, CIFAR-10's python batches and ImageFolder from a local path, and sampling."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from tests.conftest import run_train, summary
+from train import config, data
+
+
+def write_cifar(root, per_batch: int = 40):
+    """Small files in the exact format of cifar-10-batches-py (pickled dicts with bytes keys)."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [*data.CIFAR_TRAIN, data.CIFAR_TEST]:
+        labels = [int(i % 10) for i in range(per_batch)]
+        images = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        images[:, :1024] = np.array(labels, dtype=np.uint8)[:, None] * 25  # red channel encodes the class
+        batch = {b"batch_label": name.encode(), b"labels": labels, b"data": images,
+                 b"filenames": [f"{name}_{i}.png".encode() for i in range(per_batch)]}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    return folder
+
+
+def write_imagefolder(root, classes=("cat", "dog", "eel"), per_class: int = 6):
+    for split in ("train", "val"):
+        for c, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i in range(per_class):
+                pixels = np.full((20, 24, 3), 60 * c, dtype=np.uint8)
+                pixels[i % 20] = 255
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+    return root
+
+
+def test_builtin_data_is_deterministic_and_balanced():
+    a = data.builtin(500, 10, 16, seed=3, split="train")
+    b = data.builtin(500, 10, 16, seed=3, split="train")
+    c = data.builtin(500, 10, 16, seed=4, split="train")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    counts = torch.bincount(a[1], minlength=10)
+    assert counts.min() > 25  # every class present
+    assert not torch.equal(data.builtin(500, 10, 16, 3, "eval")[0], a[0])  # eval is held out
+
+
+def test_augmentation_depends_on_seed_epoch_and_index_only():
+    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.train_samples=64"])
+    train_set, _, _ = data.datasets(cfg)
+    x1, _ = train_set[(5, 0)]
+    assert torch.equal(x1, train_set[(5, 0)][0])  # same key, same pixels
+    assert not all(torch.equal(train_set[(i, 0)][0], train_set[(i, 1)][0]) for i in range(8))  # epochs differ
+
+    def first_batches(workers):
+        sampler = data.ShardSampler(train_set, 1, 0, seed=0)
+        loader = DataLoader(train_set, batch_size=8, sampler=sampler, num_workers=workers)
+        return [x for x, _ in loader][:4]
+
+    for a, b in zip(first_batches(0), first_batches(2)):
+        assert torch.equal(a, b)  # worker count does not change the data
+
+
+def test_shard_sampler_skips_what_was_consumed():
+    ds = list(range(40))
+    full = list(data.ShardSampler(ds, 2, 1, seed=0))
+    s = data.ShardSampler(ds, 2, 1, seed=0)
+    s.skip = 7
+    assert list(s) == full[7:] and len(s) == len(full) - 7
+    s.set_epoch(1)
+    s.skip = 0
+    assert [i for i, _ in s] != [i for i, _ in full] and {e for _, e in s} == {1}
+    ranks = [i for r in range(2) for i, _ in data.ShardSampler(ds, 2, r, seed=0)]
+    assert sorted(ranks) == ds  # the two shards cover the epoch exactly once
+
+
+def test_trains_on_cifar10_python_batches(tmp_path):
+    folder = write_cifar(tmp_path / "data")
+    run_train(tmp_path / "run", "data.name=cifar10", f"data.path={folder}", "data.image_size=32", nproc=2)
+    s = summary(tmp_path / "run")
+    assert s["steps"] == 6 and s["world_size"] == 2
+    # the parent folder is accepted too
+    run_train(tmp_path / "run2", "data.name=cifar10", f"data.path={tmp_path / 'data'}", "data.image_size=32",
+              "train.steps=1")
+
+
+def test_trains_on_an_imagefolder(tmp_path):
+    root = write_imagefolder(tmp_path / "imgs")
+    run_train(tmp_path / "run", "data.name=imagefolder", f"data.path={root}", "train.global_batch_size=8",
+              "train.micro_batch_size=4", "data.num_workers=1", nproc=2)
+    assert summary(tmp_path / "run")["steps"] == 6
+
+
+@pytest.mark.parametrize("case", ["missing", "no_batch", "garbage"])
+def test_bad_cifar_path_is_one_line_naming_the_path(tmp_path, case):
+    folder = tmp_path / "cifar-10-batches-py"
+    if case != "missing":
+        folder = write_cifar(tmp_path)
+        if case == "no_batch":
+            (folder / "data_batch_3").unlink()
+        else:
+            (folder / "data_batch_2").write_bytes(b"not a pickle")
+    proc = run_train(tmp_path / "run", "data.name=cifar10", f"data.path={folder}", expect=2)
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str(folder) in err
+    assert {"missing": "does not exist", "no_batch": "data_batch_3", "garbage": "data_batch_2"}[case] in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_imagefolder_without_val_is_one_line(tmp_path):
+    root = write_imagefolder(tmp_path / "imgs")
+    for p in sorted((root / "val").rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    (root / "val").rmdir()
+    proc = run_train(tmp_path / "run", "data.name=imagefolder", f"data.path={root}", expect=2)
+    assert f"{root}/val does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

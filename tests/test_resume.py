@@ -1,0 +1,184 @@
+"""Checkpoints and exact resume, with real processes, real signals and real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd, train_losses
+from train import checkpoint, config, model
+
+# 40 steps of 16 over 256 samples: 16 steps an epoch, so step 21 is 5 steps into the second epoch.
+LONG = ["train.steps=40"]
+
+
+def start(run_dir, *overrides, nproc=1):
+    return subprocess.Popen(train_cmd(run_dir, *overrides, nproc=nproc), cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(m.get("step", 0) >= step for m in metrics(run_dir)):
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def assert_same_weights(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact(tmp_path):
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    run_train(ref, *LONG, nproc=2)
+
+    proc = start(cut, *LONG, nproc=2)
+    wait_for_step(cut, 21, proc)
+    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which passes it on to the workers
+    out, _ = proc.communicate(timeout=30)  # inside torchrun's 30 s grace period
+    stopped_at = latest_state(cut)["step"]
+    assert 21 <= stopped_at < 40 and stopped_at % 16 != 0, out  # mid-run, mid-epoch
+    assert "stopped on SIGTERM" in out
+    assert not (cut / "summary.json").exists()
+
+    run_train(cut, *LONG, nproc=2)  # the same command again continues the run
+    assert_same_weights(latest_state(ref)["model"], latest_state(cut)["model"])
+    assert_same_weights(latest_state(ref)["optimizer"]["state"][0], latest_state(cut)["optimizer"]["state"][0])
+    assert train_losses(ref) == train_losses(cut)  # step for step, every step exactly once
+    assert sorted(train_losses(cut)) == list(range(1, 41))
+    assert summary(cut)["steps"] == 40
+
+
+def test_configured_signal_stops_a_single_process_with_the_requeue_code(tmp_path):
+    proc = start(tmp_path, *LONG, "checkpoint.signal=SIGUSR1")
+    wait_for_step(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # twice: still one clean stop
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == checkpoint.EXIT_REQUEUE, out
+    step = latest_state(tmp_path)["step"]
+    assert step >= 3 and "stopped on SIGUSR1" in out
+    run_train(tmp_path, *LONG)
+    assert sorted(train_losses(tmp_path)) == list(range(1, 41))
+
+
+def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
+    """Save every step of a ResNet-50 (a ~200 MB checkpoint) and SIGKILL while a temporary file exists."""
+    ckpts = tmp_path / "checkpoints"
+    for _attempt in range(5):
+        proc = start(tmp_path, "model.name=resnet50", "checkpoint.every=1", "train.steps=200")
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if (ckpts / "latest").exists() and any(".tmp" in p.name for p in ckpts.iterdir()):
+                proc.kill()
+                break
+            time.sleep(0.005)
+        proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            break
+    assert proc.returncode == -signal.SIGKILL
+    name = (ckpts / "latest").read_text().strip()
+    state = checkpoint.read_checkpoint(ckpts / name)  # verifies the CRC, loads with weights_only
+    assert state["step"] >= 1
+    resumed = run_train(tmp_path, "model.name=resnet50", "checkpoint.every=0", f"train.steps={state['step'] + 1}")
+    assert f"resumed from {ckpts / name}" in resumed.stdout
+    assert not any(".tmp" in p.name for p in ckpts.iterdir())  # the dead save's leftovers are gone
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage):
+    run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
+    ckpts = tmp_path / "checkpoints"
+    latest = ckpts / "step_00000006.pt"
+    raw = latest.read_bytes()
+    latest.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8")
+    warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "step_00000006.pt" in line]
+    assert any("checksum" in w and "trying the previous one" in w for w in warnings), proc.stdout + proc.stderr
+    assert f"resumed from {ckpts / 'step_00000004.pt'} at step 4" in proc.stdout
+    assert summary(tmp_path)["steps"] == 8
+
+
+def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path):
+    run_train(tmp_path, "checkpoint.every=3")
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
+    proc = run_train(tmp_path, "model.name=resnet34", "train.steps=9", expect=2)
+    assert "does not match model.name=resnet34" in proc.stderr and "missing, first layer1.2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    after = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert before == after
+
+
+def test_world_size_change_continues_from_the_same_samples_seen(tmp_path):
+    run_train(tmp_path, "train.steps=21", nproc=2)  # 21 x 16 = 336 samples: epoch 1, 80 into it
+    assert latest_state(tmp_path)["data"] | {"seed": 0} == {"epoch": 1, "samples_in_epoch": 80,
+                                                              "world_size": 2, "seed": 0}
+    proc = run_train(tmp_path, "train.steps=30")  # one process now, 2 micro-steps per step
+    assert "world size changed from 2 to 1" in proc.stderr + proc.stdout
+    assert "resumed from" in proc.stdout and "at step 21 (epoch 1, 80 samples into it)" in proc.stdout
+    state = latest_state(tmp_path)
+    assert state["step"] == 30 and state["data"]["epoch"] == 1 and state["data"]["samples_in_epoch"] == 30 * 16 - 256
+    assert sorted(train_losses(tmp_path)) == list(range(1, 31))
+
+
+def test_retention_keeps_exactly_what_the_config_says(tmp_path):
+    run_train(tmp_path, "checkpoint.every=1", "train.steps=10", "checkpoint.keep=2", "checkpoint.keep_every=4")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000004.json", "step_00000004.pt", "step_00000008.json", "step_00000008.pt",
+                     "step_00000009.json", "step_00000009.pt", "step_00000010.json", "step_00000010.pt"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010.pt"
+
+
+def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    run_train(sync, "checkpoint.every=2", nproc=2)
+    run_train(asyn, "checkpoint.every=2", "checkpoint.async=true", nproc=2)
+    for step in (4, 6):
+        a = checkpoint.read_checkpoint(sync / "checkpoints" / f"step_{step:08d}.pt")
+        b = checkpoint.read_checkpoint(asyn / "checkpoints" / f"step_{step:08d}.pt")
+        assert_same_weights(a["model"], b["model"])
+
+
+def test_resume_never_and_resume_from_a_path(tmp_path):
+    first, fresh, branch = tmp_path / "first", tmp_path / "fresh", tmp_path / "branch"
+    run_train(first, "checkpoint.every=3")
+    run_train(fresh, "checkpoint.every=3", "resume=never")
+    proc = run_train(first, "resume=never", "train.steps=6")
+    assert "resumed" not in proc.stdout and len(train_losses(first)) == 6
+    proc = run_train(branch, f"resume={first / 'checkpoints' / 'step_00000003.pt'}", "train.steps=6")
+    assert "at step 3" in proc.stdout
+    assert_same_weights(latest_state(branch)["model"], latest_state(fresh)["model"])
+    proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
+    assert "is neither a checkpoint file nor a folder" in proc.stderr
+
+
+def test_weights_load_without_this_package(tmp_path):
+    run_train(tmp_path)
+    path = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    state = torch.load(path, weights_only=True)  # plain tensors and types only
+    net = model.build(config.ModelConfig(), 10, 16)
+    net.load_state_dict(state["model"])
+    assert state["config"]["model"]["name"] == "resnet18" and len(state["rng"]) == 1
+    assert set(state) >= {"model", "optimizer", "scaler", "step", "data", "rng", "config", "tracker"}
+
+
+def test_relaunching_a_finished_run_changes_nothing(tmp_path):
+    run_train(tmp_path)
+    before = (tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()
+    proc = run_train(tmp_path)
+    assert "already complete at step 6" in proc.stdout
+    assert ((tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
+    assert json.loads(before[0])["steps"] == 6 and os.path.exists(tmp_path / "config.yaml")
