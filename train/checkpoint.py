@@ -214,25 +214,33 @@ class Checkpointer:
     def __init__(self, cfg: Config, rank: int, world_size: int, log):
         self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
         self.dir = cfg.run_dir / "checkpoints"
-        self.stop_signal: str | None = None
+        self.stop_signal: str | None = None  # the signal this rank received, if any
+        self.stopping = False  # all ranks agreed to stop: the next save is the last
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
     # ---- stop requests
     def install_signal_handler(self) -> None:
-        sig = getattr(signal, self.cfg.checkpoint.signal)
+        """SIGTERM (what torchrun, Kubernetes and SLURM send) and checkpoint.signal request a stop."""
 
         def request_stop(signum, frame):  # only sets a flag: the loop stops at the next step boundary
             self.stop_signal = signal.Signals(signum).name
 
-        signal.signal(sig, request_stop)
+        for name in {"SIGTERM", self.cfg.checkpoint.signal}:
+            signal.signal(getattr(signal, name), request_stop)
 
     def stop_agreed(self, device: torch.device) -> bool:
         """All ranks agree to stop if any got the signal (an all-reduce, so nobody waits alone)."""
         flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.stopping = bool(flag.item())
+        return self.stopping
+
+    def _mark_stopped(self, step: int) -> None:
+        """Tell the launcher this exit was a stop after a checkpoint, not a crash (removed on resume)."""
+        marker = {"step": step, "signal": self.stop_signal, "time": time.time()}
+        _write_atomic(self.cfg.run_dir / "STOPPED", lambda f: f.write(json.dumps(marker).encode()))
 
     # ---- saving
     def due(self, step: int) -> bool:
@@ -265,6 +273,8 @@ class Checkpointer:
         else:
             self._write(state, parts.step)
             self._raise_pending_error()
+            if self.stopping:
+                self._mark_stopped(parts.step)
 
     def _write(self, state: dict, step: int) -> None:
         try:
@@ -315,9 +325,11 @@ class Checkpointer:
 
     def resume(self, parts) -> bool:
         """Load the best complete checkpoint into parts; False when starting fresh."""
-        if self.rank == 0 and self.dir.is_dir():  # leftovers of a save that was killed: never counted
-            for p in self.dir.glob(".*.tmp*"):
-                p.unlink(missing_ok=True)
+        if self.rank == 0:
+            (self.cfg.run_dir / "STOPPED").unlink(missing_ok=True)
+            if self.dir.is_dir():  # leftovers of a save that was killed: never counted
+                for p in self.dir.glob(".*.tmp*"):
+                    p.unlink(missing_ok=True)
         for path in self.find_resume():
             try:
                 state = read_checkpoint(path)

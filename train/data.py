@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,6 +208,13 @@ class TrainStream:
         self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave stop signals to the training process, which checkpoints and then ends
+    them; a worker killed by a SIGTERM sent to the whole process group would break the last step."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainStream, DataLoader, int]:
     train_set, eval_set, num_classes = datasets(cfg)
     d, micro = cfg.data, cfg.train.micro_batch_size
@@ -215,7 +223,8 @@ def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainS
                           f"on every rank ({micro} x {world_size})")
     opts = {"num_workers": d.num_workers, "pin_memory": d.pin_memory and cuda}
     if d.num_workers > 0:
-        opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor}
+        opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
+                 "worker_init_fn": _ignore_stop_signals}
     sampler = ShardSampler(train_set, world_size, rank, cfg.seed)
     train = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **opts)
     # Evaluation: every sample exactly once over all ranks (no padding), results all-reduced.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Mapping
@@ -144,3 +145,14 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
+    """A one-line reading of a collective's failure, or None when it is not one."""
+    text = str(exc)
+    if re.search(r"[Tt]imed out|[Tt]imeout", text):
+        return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
+                f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
+    if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):
+        return "a peer rank's connection broke: another rank died (see its log in the run directory)"
+    return None

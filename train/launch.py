@@ -3,24 +3,40 @@
 Every launcher (Makefile, sbatch, PyTorchJob, compose, the image's entrypoint) runs
     python -m train.launch [launcher options] [--] [training arguments]
 Each launcher option falls back to an environment variable, its own name first and then the `PET_*`
-one that torchrun and the Kubeflow operator use (e.g. --nnodes: NNODES, then PET_NNODES). The
-training arguments are checked before torchrun starts, so a bad config fails once, in one line.
+one that torchrun and the Kubeflow operator use (e.g. --nnodes: NNODES, then PET_NNODES). With more
+than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob's Master replica)
+hosts the c10d rendezvous.
+
+The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
+Stop signals (TERM, INT, USR1, USR2, HUP) are passed to torchrun as SIGTERM, which it passes on to
+the workers; they checkpoint and the launcher exits 75 ("requeue me"). When torchrun fails, the
+launcher ends with one line saying why and what to try.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
+import multiprocessing
 import os
+import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from train import config
 from train.config import ConfigError
 
 EXIT_USAGE = 2
+EXIT_REQUEUE = 75  # the same code a worker exits with after a signal-triggered checkpoint
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 # option -> (its environment variables, default)
 OPTIONS = {
@@ -29,18 +45,39 @@ OPTIONS = {
     "node_rank": (("NODE_RANK", "PET_NODE_RANK"), None),
     "rdzv_endpoint": (("RDZV_ENDPOINT", "PET_RDZV_ENDPOINT"), None),
     "rdzv_id": (("RDZV_ID", "PET_RDZV_ID"), "train"),
+    "rdzv_conf": (("RDZV_CONF", "PET_RDZV_CONF"), ""),
     "max_restarts": (("MAX_RESTARTS", "PET_MAX_RESTARTS"), "0"),
 }
+
+# What torchrun's output says, and what to tell the user (first match wins).
+HINTS = [
+    (re.compile(r"EADDRINUSE|Address already in use"),
+     "the rendezvous port {port} is already in use on {host}: choose another --rdzv-endpoint port, or stop "
+     "what holds it (ss -ltnp 'sport = :{port}')"),
+    (re.compile(r"RendezvousTimeoutError"),
+     "rendezvous timed out: not every node joined {endpoint} in time; check that each node runs the same "
+     "--rdzv-id and --rdzv-endpoint, that {endpoint} is reachable from every node, or raise "
+     "--rdzv-conf join_timeout=SECONDS"),
+    (re.compile(r"RendezvousConnectionError|DistNetworkError|Connection refused|Name or service not known"),
+     "cannot reach the rendezvous at {endpoint}: is the first node up, does its name resolve here, and is "
+     "the port open between nodes?"),
+    (re.compile(r"collective timed out|Timed out waiting|Watchdog caught collective operation timeout"),
+     "a collective timed out: a rank hung or died (see the per-rank logs in the run directory); raise "
+     "dist.timeout_s if steps are legitimately slower"),
+]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python -m train.launch", description=__doc__.splitlines()[0])
     p.add_argument("--nnodes", help="N or MIN:MAX (elastic)")
     p.add_argument("--nproc-per-node", help="processes per node: a number, or auto (one per GPU, else 2)")
-    p.add_argument("--node-rank", help="this node's rank (static rendezvous only)")
+    p.add_argument("--node-rank", help="this node's rank (ignored by c10d, which assigns ranks)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (omit for one node)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes; keep it across restarts")
+    p.add_argument("--rdzv-conf", help="extra rendezvous settings, e.g. join_timeout=600,last_call_timeout=30")
     p.add_argument("--max-restarts", help="times torchrun restarts the workers after a failure")
+    p.add_argument("--doctor", action="store_true", default=None,
+                   help="run the preflight doctor on the same world first (also DOCTOR=1)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
@@ -56,6 +93,11 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str |
         if value is None:
             value = next((env[n] for n in names if env.get(n)), default)
         out[name] = value
+    if not out["rdzv_endpoint"] and out["nnodes"] != "1":
+        for addr, port in (("MASTER_ADDR", "MASTER_PORT"), ("PET_MASTER_ADDR", "PET_MASTER_PORT")):
+            if env.get(addr) and env.get(port):
+                out["rdzv_endpoint"] = f"{env[addr]}:{env[port]}"
+                break
     return out
 
 
@@ -65,7 +107,7 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def torchrun_command(opts: dict[str, str | None], train_args: list[str]) -> list[str]:
+def torchrun_command(opts: dict[str, str | None], train_args: list[str], module: str = "train") -> list[str]:
     nproc = opts["nproc_per_node"]
     if nproc == "auto":
         nproc = str(_gpus() or 2)
@@ -80,44 +122,169 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str]) -> list
         raise ConfigError(f"--max-restarts must be a number >= 0, got {opts['max_restarts']!r}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={opts['max_restarts']}"]
-    if opts["rdzv_endpoint"]:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts['rdzv_endpoint']}", f"--rdzv-id={opts['rdzv_id']}"]
-        if opts["node_rank"] is not None:
-            cmd.append(f"--node-rank={opts['node_rank']}")
+    endpoint = opts["rdzv_endpoint"]
+    if endpoint:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts['rdzv_id']}"]
+        if opts["rdzv_conf"]:
+            cmd.append(f"--rdzv-conf={opts['rdzv_conf']}")
     elif bounds[-1] == "1":
         cmd.append("--standalone")  # one node: a private rendezvous on a free local port
     else:
-        raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (or RDZV_ENDPOINT)")
-    return cmd + ["-m", "train", *train_args]
+        raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (or RDZV_ENDPOINT, or "
+                          "MASTER_ADDR and MASTER_PORT)")
+    return cmd + ["-m", module, *train_args]
 
 
-def _check_training_args(train_args: list[str]) -> None:
+def check_training_args(train_args: list[str]) -> config.Config:
     """The same parse `python -m train` does, run once here so a bad config fails before torchrun."""
     from train.__main__ import parse_args as train_parse
 
     ns = train_parse(train_args)
-    config.load(ns.config, ns.overrides)
+    return config.load(ns.config, ns.overrides)
+
+
+def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(ok, what) for a rendezvous HOST:PORT: free here, served by a c10d store (another agent of this
+    job on this host), in use by something else, or on another host and reachable or not."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, _, port_s = endpoint.rpartition(":")
+    port = int(port_s)
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        return False, f"{host} does not resolve ({e.strerror or e})"
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(addr)
+            return True, f"{endpoint} is free on this host"
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # not an address of this host: check it is reachable
+                try:
+                    socket.create_connection((host, port), timeout=timeout_s).close()
+                    return True, f"{endpoint} is reachable"
+                except OSError as e2:
+                    return False, f"{endpoint} is not reachable ({e2.strerror or e2}); is the first node up?"
+    # In use here: fine if it is a c10d store (another agent of this job), not if it is anything else.
+    # A store client of something that accepts but never answers can hang past its timeout, so the
+    # probe runs in a child process that is killed if it does not answer in time.
+    def probe():
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the store client's C++ complaints are not news
+        try:
+            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        except Exception:
+            os._exit(1)
+        os._exit(0)
+
+    child = multiprocessing.get_context("fork").Process(target=probe, daemon=True)
+    child.start()
+    child.join(timeout_s + 1)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    elif child.exitcode == 0:
+        return True, f"{endpoint} is served by a c10d store on this host"
+    return False, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
+                   f"port, or stop what holds it (ss -ltnp 'sport = :{port}')")
+
+
+def _stopped_since(run_dir: Path, since: float) -> bool:
+    """Whether the workers checkpointed on a stop signal during this launch (checkpoint.py's marker)."""
+    marker = run_dir / "STOPPED"
+    try:
+        return json.loads(marker.read_text())["time"] >= since
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def explain(output: str, opts: dict[str, str | None]) -> str:
+    """One line: why torchrun failed and what to try."""
+    endpoint = opts["rdzv_endpoint"] or "the local rendezvous"
+    host, _, port = (opts["rdzv_endpoint"] or "localhost:?").rpartition(":")
+    for pattern, hint in HINTS:
+        if pattern.search(output):
+            return hint.format(endpoint=endpoint, host=host, port=port)
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?host\s*:\s*(\S+).*?exitcode\s*:\s*(-?\d+)", output, re.S)
+    restarts = opts["max_restarts"]
+    if root:
+        rank, where, code = root.groups()
+        how = f"was killed by signal {-int(code)}" if int(code) < 0 else f"exited with code {code}"
+        return (f"rank {rank} on {where} {how}, and torchrun gave up after {restarts} restart(s) "
+                f"(--max-restarts={restarts}); see its log in the run directory")
+    return f"torchrun failed (--max-restarts={restarts}); see the output above and the run directory's logs"
 
 
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
     try:
-        _check_training_args(train_args)
-        cmd = torchrun_command(resolve(args, os.environ), train_args)
+        cfg = check_training_args(train_args)
+        opts = resolve(args, os.environ)
+        cmd = torchrun_command(opts, train_args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
-    proc = subprocess.Popen(cmd)
+    if opts["rdzv_endpoint"]:
+        ok, what = port_status(opts["rdzv_endpoint"])
+        if not ok:
+            print(f"error: {what}", file=sys.stderr)
+            return 1
+    if args.doctor or os.environ.get("DOCTOR", "0") not in ("", "0"):
+        # Its own rendezvous id: a finished rendezvous is closed and could not host the training.
+        doctor = torchrun_command(opts | {"rdzv_id": f"{opts['rdzv_id']}-doctor"}, train_args, "train.doctor")
+        print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
+        if (rc := _run(doctor, opts, cfg, "error: the preflight doctor failed: see its FAIL rows above")) != 0:
+            return rc
+    return _run(cmd, opts, cfg)
 
-    def forward(signum, frame):  # torchrun passes SIGTERM/SIGINT on to the workers, which save and stop
-        proc.send_signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None) -> int:
+    """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped, requeue) or 1 (one line)."""
+
+    started, stop = time.time(), []
+    # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
+    env = dict(os.environ)
+    # torch 2.14's agent shares its rendezvous store with the workers without a per-round prefix, so a
+    # restarted or re-formed group reads the dead group's addresses and fails to connect. A store per
+    # round (hosted by the new rank 0) avoids that.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
+    tail: list[str] = []
+
+    def pump():
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line)
+            del tail[:-400]
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+
+    def forward(signum, frame):  # torchrun passes SIGTERM on to the workers, which save and stop
+        stop.append(signum)
+        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
-    return proc.wait()
+    rc = proc.wait()
+    pumping.join(timeout=5)
+    if rc == 0:
+        return 0
+    if stop or _stopped_since(cfg.run_dir, started):
+        name = signal.Signals(stop[0]).name if stop else "a stop signal"
+        print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})",
+              file=sys.stderr)
+        return EXIT_REQUEUE
+    print(failure or f"error: {explain(''.join(tail), opts)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""The preflight doctor on real processes: a healthy 2-rank world, and failures that name rank and host."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+from tests.conftest import PY, ROOT, clean_env
+
+HOST = socket.gethostname()
+
+
+def doctor(*args: str, launcher: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    if launcher:
+        cmd = [PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--", *args]
+    else:
+        cmd = [PY, "-m", "train.doctor", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=clean_env(**(extra_env or {})), capture_output=True, text=True,
+                          timeout=300)
+
+
+def rows(out: str) -> dict[str, list[str]]:
+    table: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[1] in ("ok", "FAIL"):
+            table.setdefault(parts[0], []).append(line)
+    return table
+
+
+def test_doctor_then_training_through_the_launcher(tmp_path):
+    proc = doctor("--config", "configs/default.yaml", f"run.dir={tmp_path}", "data.image_size=16",
+                  "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0", "train.steps=2",
+                  "train.global_batch_size=16", "train.micro_batch_size=8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    table = rows(proc.stdout)
+    assert "2 rank(s) on 1 node(s), 2 cpu device(s) per node, backend gloo" in table["world"][0]
+    assert "correct on 2/2 ranks" in table["all-reduce"][0]
+    gbps = float(table["bus-bandwidth"][0].split()[3])
+    assert gbps > 0
+    assert f"rank 0 on {HOST}" in table["/dev/shm"][0] and "GiB" in table["/dev/shm"][0]
+    assert "writable" in table["checkpoint-dir"][0] and "served by a c10d store" in table["rendezvous"][0]
+    assert "doctor: all checks passed" in proc.stdout
+    assert (tmp_path / "summary.json").exists()  # then it trained
+
+
+def test_failures_name_the_rank_the_host_and_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with socket.socket() as squatter:  # something that is not a rendezvous holds the port
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        proc = doctor(f"run.dir={blocker}/run", launcher=False, extra_env={"RDZV_ENDPOINT": f"127.0.0.1:{port}"})
+    assert proc.returncode == 1
+    table = rows(proc.stdout)
+    ckpt = table["checkpoint-dir"][0]
+    assert "FAIL" in ckpt and f"rank 0 on {HOST}" in ckpt and "not writable" in ckpt and "set run.dir" in ckpt
+    rdzv = table["rendezvous"][0]
+    assert "FAIL" in rdzv and f"port {port} on 127.0.0.1 is in use by another program" in rdzv
+    assert "2 check(s) failed" in proc.stderr
+
+
+def test_a_failing_doctor_stops_the_launch_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = doctor(f"run.dir={blocker}/run", "train.steps=2")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
+    assert proc.stdout.count("not writable") == 1  # one row: the node's first rank checks the folder

@@ -1,0 +1,198 @@
+"""Elastic torchrun through the shared launcher: restarts, nodes joining and leaving, hangs, give-ups.
+
+Real torchrun agents and workers on 127.0.0.1, real signals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
+
+LONG = [*TINY, "train.steps=30", "checkpoint.every=5", "dist.timeout_s=20"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=()) -> subprocess.Popen:
+    cmd = [PY, "-m", "train.launch", *launcher_args, "--", "--config", "configs/default.yaml", *overrides,
+           f"run.dir={run_dir}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def workers(run_dir: Path) -> dict[int, int]:
+    """{rank: pid} of the training processes of this run (read from /proc, as an operator would)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if b"train" in cmd and f"run.dir={run_dir}".encode() in cmd and "RANK" in env and b"-m" in cmd:
+            if cmd[cmd.index(b"-m") + 1] == b"train" and _state(proc) not in "ZX":
+                found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
+def _state(proc: Path) -> str:
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def reached(run_dir: Path, step: int) -> bool:
+    return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_path):
+    ref, hit = tmp_path / "ref", tmp_path / "hit"
+    run_train(ref, *LONG[len(TINY):], nproc=2)
+    proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
+    wait_until(lambda: reached(hit, 12), 120, "step 12")
+    os.kill(workers(hit)[1], signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out and "at step 10" in out  # the latest checkpoint before the kill
+    for k, v in latest_state(ref)["model"].items():
+        assert torch.equal(v, latest_state(hit)["model"][k]), k
+    assert train_losses(ref) == train_losses(hit)
+
+
+def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(tmp_path):
+    proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1",
+                  overrides=[*TINY, "train.steps=24", "checkpoint.every=4", "dist.timeout_s=5"])
+    wait_until(lambda: reached(tmp_path, 6), 120, "step 6")
+    stopped_at = time.time()
+    os.kill(workers(tmp_path)[1], signal.SIGSTOP)
+    log0 = tmp_path / "logs" / "rank0.log"
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    line = next(ln for ln in err.splitlines() if "collective timed out after dist.timeout_s=5 s" in ln)
+    assert line.startswith("[rank 0] error:")
+    # rank 0 gave up about 5 s after the hang, not after the 10-minute default
+    failed_at = [ln for ln in log0.read_text().splitlines() if "step 6/" in ln or "step 7/" in ln]
+    assert failed_at and time.time() - stopped_at < 200
+    assert summary(tmp_path)["steps"] == 24 and "resumed from" in out
+
+
+def test_exhausted_restarts_end_with_one_line_and_a_nonzero_code(tmp_path):
+    proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=0")
+    wait_until(lambda: reached(tmp_path, 3), 120, "step 3")
+    os.kill(workers(tmp_path)[1], signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 1
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: rank 1 on \S+ was killed by signal 9, and torchrun gave up after 0 restart\(s\) "
+                        r"\(--max-restarts=0\); see its log in the run directory", last), last
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
+    proc = launch(tmp_path, "--nproc-per-node=2")
+    wait_until(lambda: reached(tmp_path, 7), 120, "step 7")
+    proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a time limit; forwarded as SIGTERM
+    rc, out, err = finish(proc, timeout=60)
+    assert rc == 75, err[-3000:]
+    assert 7 <= latest_state(tmp_path)["step"] < 30 and "stopped on SIGTERM" in out
+    rc, out, err = finish(launch(tmp_path, "--nproc-per-node=2"))
+    assert rc == 0 and summary(tmp_path)["steps"] == 30 and sorted(train_losses(tmp_path)) == list(range(1, 31))
+
+
+def test_a_second_node_joins_then_leaves(tmp_path):
+    """--nnodes=1:2 on two agents: world 1, then 2 when the second node joins, then 1 again when it dies."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic",
+              "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--max-restarts=3"]
+    overrides = [*TINY, "train.steps=90", "checkpoint.every=5", "dist.timeout_s=15"]
+    a = launch(tmp_path, *common, overrides=overrides)
+    b = None
+    try:
+        wait_until(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
+        b = launch(tmp_path, *common, overrides=overrides)
+        log0 = tmp_path / "logs" / "rank0.log"
+        wait_until(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
+        grown_at = max(m["step"] for m in metrics(tmp_path))
+        wait_until(lambda: reached(tmp_path, grown_at + 5), 120, "steps with 2 nodes")
+        os.killpg(b.pid, signal.SIGKILL)  # node B is lost: agent and workers
+        rc, out, err = finish(a)
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert rc == 0, err[-3000:]
+    log = log0.read_text()
+    assert "world size changed from 1 to 2" in log and "world size changed from 2 to 1" in log
+    s = summary(tmp_path)
+    assert s["steps"] == 90 and s["world_size"] == 1
+    data = latest_state(tmp_path)["data"]
+    assert data["epoch"] * 256 + data["samples_in_epoch"] == 90 * 16  # every sample counted once
+    assert sorted(train_losses(tmp_path)) == list(range(1, 91))
+
+
+def test_launcher_builds_one_command_line_from_arguments_or_environment():
+    def dry(*args, **env):
+        proc = subprocess.run([PY, "-m", "train.launch", "--dry-run", *args, "--", "train.steps=3"], cwd=ROOT,
+                              env=clean_env(**env), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr.splitlines()[0]
+
+    assert "--standalone" in dry("--nproc-per-node=2") and "--nproc-per-node=2" in dry("--nproc-per-node=2")
+    kube = dry(PET_NNODES="1:4", PET_NPROC_PER_NODE="2", PET_RDZV_ENDPOINT="job-worker-0:23456", PET_RDZV_ID="job",
+               PET_MAX_RESTARTS="3")
+    for part in ("--nnodes=1:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=job-worker-0:23456",
+                 "--rdzv-id=job", "--max-restarts=3", "-m train train.steps=3"):
+        assert part in kube, kube
+    master = dry(PET_NNODES="2", PET_NPROC_PER_NODE="1", MASTER_ADDR="job-master-0", MASTER_PORT="23456")
+    assert "--rdzv-endpoint=job-master-0:23456" in master
+    assert "--nnodes=3" in dry("--nnodes=3", "--rdzv-endpoint=h:1", NNODES="2")  # arguments beat the environment
+
+
+def test_launcher_usage_errors_exit_2_before_torchrun():
+    for args, msg in [(["--nnodes=2"], "needs --rdzv-endpoint"), (["--nnodes=3:2"], "MIN:MAX"),
+                      (["--nproc-per-node=x"], "--nproc-per-node"), (["--", "optim.lrr=1"], "did you mean")]:
+        proc = subprocess.run([PY, "-m", "train.launch", *args], cwd=ROOT, env=clean_env(), capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, args
+
+
+def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        rc, out, err = finish(launch(tmp_path, "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}"), 60)
+    assert rc == 1 and err.strip().splitlines()[-1].startswith(f"error: port {port} on 127.0.0.1 is in use")
+    lonely = launch(tmp_path, "--nproc-per-node=1", "--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                    "--rdzv-conf=join_timeout=3")
+    rc, out, err = finish(lonely, 120)
+    assert rc == 1 and err.strip().splitlines()[-1].startswith("error: rendezvous timed out: not every node joined")
