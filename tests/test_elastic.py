@@ -47,6 +47,25 @@ def workers(run_dir: Path) -> dict[int, int]:
     return found
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants: a node lost at once (torchrun puts each worker in a
+    session of its own, so killing the agent's process group would leave the workers running)."""
+    family, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        family.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _state(proc: Path) -> str:
     return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
@@ -69,7 +88,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]
         out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
     return proc.returncode, out, err
 
@@ -142,12 +161,12 @@ def test_a_second_node_joins_then_leaves(tmp_path):
         wait_until(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
         grown_at = max(m["step"] for m in metrics(tmp_path))
         wait_until(lambda: reached(tmp_path, grown_at + 5), 120, "steps with 2 nodes")
-        os.killpg(b.pid, signal.SIGKILL)  # node B is lost: agent and workers
+        kill_tree(b.pid)  # node B is lost: launcher, agent and workers
         rc, out, err = finish(a)
     finally:
         for p in (a, b):
             if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
                 p.wait()
     assert rc == 0, err[-3000:]
     log = log0.read_text()

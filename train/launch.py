@@ -209,10 +209,11 @@ def explain(output: str, opts: dict[str, str | None]) -> str:
     for pattern, hint in HINTS:
         if pattern.search(output):
             return hint.format(endpoint=endpoint, host=host, port=port)
-    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?host\s*:\s*(\S+).*?exitcode\s*:\s*(-?\d+)", output, re.S)
     restarts = opts["max_restarts"]
-    if root:
-        rank, where, code = root.groups()
+    block = output.rpartition("Root Cause")[2].split("=" * 20)[0]
+    fields = dict(re.findall(r"^\s*(host|rank|exitcode)\s*:\s*(-?\S+)", block, re.M))
+    if len(fields) == 3:
+        rank, where, code = fields["rank"], fields["host"], fields["exitcode"]
         how = f"was killed by signal {-int(code)}" if int(code) < 0 else f"exited with code {code}"
         return (f"rank {rank} on {where} {how}, and torchrun gave up after {restarts} restart(s) "
                 f"(--max-restarts={restarts}); see its log in the run directory")
