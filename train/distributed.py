@@ -118,6 +118,8 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
         raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo (or auto) on CPU")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if backend == "nccl" and os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):  # the flight recorder's dump folder
+        os.makedirs(os.path.dirname(os.environ["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
     timeout = datetime.timedelta(seconds=timeout_s)
     if denv.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-conf", help="extra rendezvous settings, e.g. join_timeout=600,last_call_timeout=30")
     p.add_argument("--max-restarts", help="times torchrun restarts the workers after a failure")
     p.add_argument("--doctor", action="store_true", default=None,
-                   help="run the preflight doctor on the same world first (also DOCTOR=1)")
+                   help="run the preflight doctor on the same world first (also LAUNCH_DOCTOR=1)")
+    p.add_argument("--debug", action="store_true", default=None,
+                   help="verbose NCCL and torch.distributed logs into the run directory (also LAUNCH_DEBUG=1)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
@@ -237,25 +239,49 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(f"error: {what}", file=sys.stderr)
             return 1
-    if args.doctor or os.environ.get("DOCTOR", "0") not in ("", "0"):
+    debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
+    if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
         # Its own rendezvous id: a finished rendezvous is closed and could not host the training.
         doctor = torchrun_command(opts | {"rdzv_id": f"{opts['rdzv_id']}-doctor"}, train_args, "train.doctor")
         print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
-        if (rc := _run(doctor, opts, cfg, "error: the preflight doctor failed: see its FAIL rows above")) != 0:
+        failure = "error: the preflight doctor failed: see its FAIL rows above"
+        if (rc := _run(doctor, opts, cfg, failure, debug)) != 0:
             return rc
-    return _run(cmd, opts, cfg)
+    return _run(cmd, opts, cfg, debug=debug)
 
 
-def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None) -> int:
+def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:
+    """The environment torchrun and the workers get. Variables already set win over these defaults."""
+    out = dict(env)
+    defaults = {
+        # torch 2.14's agent shares its rendezvous store with the workers without a per-round prefix, so
+        # a restarted or re-formed group reads the dead group's addresses and fails to connect. A store
+        # per round (hosted by the new rank 0) avoids that.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # NCCL flight recorder: the last collectives of every rank, dumped when one times out.
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir.resolve() / "flight_recorder" / "rank_"),
+    }
+    if debug:
+        defaults |= {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL,NET",
+                     "NCCL_DEBUG_FILE": str(run_dir.resolve() / "logs" / "nccl.%h.%p.log"),
+                     "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO",
+                     "LOGLEVEL": "INFO"}
+    for key, value in defaults.items():
+        out.setdefault(key, value)
+    return out
+
+
+def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None,
+         debug: bool = False) -> int:
     """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped, requeue) or 1 (one line)."""
 
     started, stop = time.time(), []
+    env = worker_env(os.environ, cfg.run_dir, debug)
+    if debug:
+        (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
-    env = dict(os.environ)
-    # torch 2.14's agent shares its rendezvous store with the workers without a per-round prefix, so a
-    # restarted or re-formed group reads the dead group's addresses and fails to connect. A store per
-    # round (hosted by the new rank 0) avoids that.
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
     tail: list[str] = []
 
