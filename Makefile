@@ -36,3 +36,25 @@ lint: dev
 
 clean-runs:
 	rm -rf runs
+
+# Containers (see "Containers and Kubernetes" in the README; needs Docker, not run by the tests).
+#   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
+#   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)
+#   make compose-down           remove its containers (the runs volume with the checkpoints stays)
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ddp-template:$(IMAGE_VERSION)
+PROFILE ?= gpu
+COMPOSE ?= docker compose
+
+.PHONY: docker-build compose-up compose-down
+
+docker-build:
+	docker build -t $(IMAGE) --build-arg VERSION=$(IMAGE_VERSION) \
+		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+		--build-arg SOURCE=$$(git config --get remote.origin.url | sed -E 's#//[^/@]*@#//#' | grep . || echo unknown) .
+
+compose-up: docker-build
+	IMAGE=$(IMAGE) $(COMPOSE) --profile $(PROFILE) up
+
+compose-down:
+	IMAGE=$(IMAGE) $(COMPOSE) --profile gpu --profile cpu down

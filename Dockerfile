@@ -1,0 +1,73 @@
+# The training image: the pinned PyTorch (CUDA, cuDNN and NCCL come with its wheels), train/ and
+# configs/, and the shared launcher as entrypoint. Arguments after the image name are training arguments:
+#
+#   make docker-build                                   # -> ddp-template:<version in pyproject.toml>
+#   docker run --rm --gpus all --shm-size 8g -v ddp-runs:/runs ddp-template:0.1.0 \
+#       --config configs/default.yaml train.steps=200   # one node, one process per GPU
+#
+# Launcher options come from the environment (NNODES, NPROC_PER_NODE, RDZV_ENDPOINT, RDZV_ID,
+# MAX_RESTARTS, or the PET_* ones the Kubeflow operator sets) or go first: `IMAGE --nnodes 2 ... --
+# --config ...`. Runs are written under /runs (runs/ in the working directory points there).
+#
+# Base: plain Debian Python, not nvidia/cuda: the pinned torch wheels bring their own CUDA runtime,
+# cuDNN and NCCL (the nvidia-* packages), so a CUDA base image would only add a second copy of them.
+# The GPU driver is mounted at run time by the NVIDIA container toolkit (docker --gpus, the Kubernetes
+# device plugin). Same Python as CI, so pip resolves the same wheels CI tests; bump both together.
+
+# ---- stage 1: the virtual environment, from the requirement set CI installs and tests
+FROM python:3.11.7-slim-bookworm AS deps
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements.txt /tmp/requirements.txt
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt
+
+# ---- stage 2: the runtime (no pip cache, no build leftovers)
+FROM python:3.11.7-slim-bookworm
+
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=unknown
+LABEL org.opencontainers.image.title="ddp-template" \
+      org.opencontainers.image.description="PyTorch DDP training: python -m train.launch (torchrun) as entrypoint" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
+
+# A numeric non-root user (the Kubernetes manifests run as 10001 too); a passwd entry, because
+# getpass.getuser() (torch's compile caches) needs one. /runs: run directories and checkpoints.
+RUN groupadd --gid 10001 trainer \
+    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin trainer \
+    && install -d -o 10001 -g 10001 -m 0775 /runs
+
+COPY --from=deps /opt/venv /opt/venv
+WORKDIR /app
+COPY train/ train/
+COPY configs/ configs/
+RUN python -m compileall -q train \
+    && ln -s /runs runs
+
+# HOME and every cache on /tmp: the root filesystem may be read-only (Kubernetes, compose).
+# NCCL: warnings only (no INFO/TRACE), and a failed or hung collective ends the process instead of
+# hanging the job; nothing about the network or transports, which differ between clusters.
+ENV PATH=/opt/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/venv \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    TRITON_CACHE_DIR=/tmp/triton \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NCCL_DEBUG=WARN \
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \
+    GIT_COMMIT=${REVISION}
+
+USER 10001:10001
+# c10d rendezvous: 29400 (compose), 23456 (PyTorchJob's pytorchjob-port)
+EXPOSE 29400 23456
+ENTRYPOINT ["python", "-m", "train.launch"]
+CMD ["--config", "configs/default.yaml"]
