@@ -10,7 +10,7 @@ NPROC ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv dev train-local test lint clean-runs
+.PHONY: venv dev train-local test lint bench clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 $(VENV)/.deps: requirements.txt
@@ -33,6 +33,12 @@ test: dev
 
 lint: dev
 	$(VENV)/bin/ruff check train tests bench
+
+# Benchmarks (minutes; figures, not pass/fail): BENCHMARKS.md and BENCHMARKS.png.
+# GPU figures need a GPU, or GPU_JSON=file written by `bench/gpu.py --json file` on one.
+GPU_JSON ?=
+bench: dev
+	$(PY) bench/run_all.py $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
 
 clean-runs:
 	rm -rf runs
@@ -58,3 +64,17 @@ compose-up: docker-build
 
 compose-down:
 	IMAGE=$(IMAGE) $(COMPOSE) --profile gpu --profile cpu down
+
+# SLURM on this machine (root; needs: apt-get install slurmctld slurmd slurm-client munge): a real
+# 2-node cluster (n1, n2 on 127.0.0.1) to try slurm/train.sbatch. See "SLURM" in the README.
+#   make slurm-local-up         start munge, slurmctld and one slurmd per node (NODES=2)
+#   make slurm-local-down       stop what slurm-local-up started
+NODES ?= 2
+
+.PHONY: slurm-local-up slurm-local-down
+
+slurm-local-up:
+	NODES=$(NODES) bash slurm/local-cluster.sh up
+
+slurm-local-down:
+	bash slurm/local-cluster.sh down

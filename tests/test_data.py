@@ -64,7 +64,7 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
         loader = DataLoader(train_set, batch_size=8, sampler=sampler, num_workers=workers)
         return [x for x, _ in loader][:4]
 
-    for a, b in zip(first_batches(0), first_batches(2)):
+    for a, b in zip(first_batches(0), first_batches(2), strict=True):
         assert torch.equal(a, b)  # worker count does not change the data
 
 

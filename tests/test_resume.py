@@ -104,7 +104,8 @@ def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage):
     ckpts = tmp_path / "checkpoints"
     latest = ckpts / "step_00000006.pt"
     raw = latest.read_bytes()
-    latest.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    flipped = raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:]
+    latest.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else flipped)
     proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8")
     warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "step_00000006.pt" in line]
     assert any("checksum" in w and "trying the previous one" in w for w in warnings), proc.stdout + proc.stderr

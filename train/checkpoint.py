@@ -252,6 +252,8 @@ class Checkpointer:
         rngs = [None] * self.world_size
         dist.all_gather_object(rngs, _rng_state(parts.device))
         if self.rank != 0:
+            if self.stopping:  # the last save: nobody exits before rank 0 has written it
+                dist.barrier()
             return
         self.wait()  # the next save waits for the previous one
         state = {
@@ -275,6 +277,7 @@ class Checkpointer:
             self._raise_pending_error()
             if self.stopping:
                 self._mark_stopped(parts.step)
+                dist.barrier()
 
     def _write(self, state: dict, step: int) -> None:
         try:
@@ -331,18 +334,19 @@ class Checkpointer:
                 for p in self.dir.glob(".*.tmp*"):
                     p.unlink(missing_ok=True)
         for path in self.find_resume():
+            t = time.perf_counter()
             try:
                 state = read_checkpoint(path)
             except ValueError as e:
                 self.log.warning(f"checkpoint {path} {e}; trying the previous one")
                 continue
-            self._load(parts, state, path)
+            self._load(parts, state, path, time.perf_counter() - t)
             return True
         if self.cfg.resume not in ("auto", "never"):
             raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
         return False
 
-    def _load(self, parts, state: dict, path: Path) -> None:
+    def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
         if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
             raise ConfigError(f"checkpoint {path} does not match model.name={self.cfg.model.name}: {problem}")
         parts.raw.load_state_dict(state["model"])
@@ -358,4 +362,4 @@ class Checkpointer:
             self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "
                              f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
         self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
-                      f"{parts.stream.samples_in_epoch} samples into it)")
+                      f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")

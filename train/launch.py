@@ -162,6 +162,7 @@ def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
     except OSError as e:
         return False, f"{host} does not resolve ({e.strerror or e})"
     with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
         try:
             s.bind(addr)
             return True, f"{endpoint} is free on this host"
@@ -259,7 +260,7 @@ def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, 
         # per round (hosted by the new rank 0) avoids that.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         # NCCL flight recorder: the last collectives of every rank, dumped when one times out.
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(run_dir.resolve() / "flight_recorder" / "rank_"),
     }

@@ -1,0 +1,238 @@
+"""Submit training to SLURM from Python with submitit: the same job as slurm/train.sbatch.
+
+    python -m train.submit --nodes 2 --gpus-per-node 8 --time 04:00:00 --partition gpu \\
+        -- --config configs/default.yaml train.steps=20000
+
+One task per node; each runs the shared launcher (python -m train.launch -> torchrun) with a c10d
+rendezvous on the first node of the allocation and the job id as rendezvous id. Before the time limit
+(--signal-delay seconds) and on preemption SLURM sends SIGTERM to every process of the job: the workers
+save a checkpoint at the next step and stop, the launcher exits 75, and submitit calls the job's
+checkpoint(), which waits for that and has submitit requeue the job; the requeued job resumes from the
+checkpoint (resume: auto). A crash is not requeued. Prints the job id and where the logs are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# submitit's timeout/preemption signal, read when submitit is imported (here and in the job). SIGTERM,
+# not its default SIGUSR2: SLURM signals every process of a job step, and SIGTERM is the one the
+# launcher, torchrun and the workers all handle (as a stop); torchrun would die on SIGUSR2.
+PREEMPT_SIGNAL = "TERM"
+EXIT_USAGE = 2
+EXIT_REQUEUE = 75
+ROOT = Path(__file__).resolve().parents[1]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def rendezvous_port(job_id: int, restarts: int) -> int:
+    """The same port slurm/train.sbatch uses: per job, and per requeue (no TIME_WAIT leftovers)."""
+    return 20000 + (job_id * 10 + restarts % 10) % 20000
+
+
+class TrainJob:
+    """What every task of the job runs: the launcher, with the rendezvous taken from the allocation.
+
+    submitit pickles it at submission and, on a requeue, the copy checkpoint() returns."""
+
+    def __init__(self, train_args: list[str], nproc_per_node: str, project_dir: str, python: str):
+        self.train_args = list(train_args)
+        self.nproc_per_node = nproc_per_node
+        self.project_dir = project_dir
+        self.python = python
+        self._proc: subprocess.Popen | None = None
+        self._done: threading.Event | None = None
+
+    def __getstate__(self) -> dict:  # the running launcher is not part of the job's description
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proc", "_done")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _proc=None, _done=None)
+
+    def launch_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The launcher's environment for this task, from SLURM's variables."""
+        import submitit
+
+        job = submitit.JobEnvironment()
+        restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        first = job.hostnames[0]
+        out = dict(env)
+        out.setdefault("RDZV_ENDPOINT", f"{first}:{rendezvous_port(int(job.raw_job_id), restarts)}")
+        out.setdefault("RDZV_ID", job.raw_job_id)
+        out.update(NNODES=str(job.num_nodes), NPROC_PER_NODE=self.nproc_per_node, PYTHONUNBUFFERED="1")
+        if "is_host=" not in out.get("RDZV_CONF", ""):  # the store on node 0 only (see slurm/train.sbatch)
+            conf = f"is_host={int(job.node == 0)}"
+            out["RDZV_CONF"] = f"{out['RDZV_CONF']},{conf}" if out.get("RDZV_CONF") else conf
+        return out
+
+    def __call__(self) -> dict:
+        import submitit
+
+        job = submitit.JobEnvironment()
+        env = self.launch_env(dict(os.environ))
+        cmd = [self.python, "-m", "train.launch", "--", *self.train_args]
+        print(f"train.submit: {job}, SLURM_RESTART_COUNT={os.environ.get('SLURM_RESTART_COUNT', 0)}, "
+              f"rendezvous {env['RDZV_ENDPOINT']} id {env['RDZV_ID']}", file=sys.stderr, flush=True)
+        self._proc = subprocess.Popen(cmd, cwd=self.project_dir, env=env)
+        self._done = threading.Event()
+        # A helper thread reaps the launcher: checkpoint(), which runs in a signal handler on this (main)
+        # thread, can then wait for it too without re-entering Popen.wait.
+        threading.Thread(target=lambda: (self._proc.wait(), self._done.set()), daemon=True).start()
+        while not self._done.wait(1.0):
+            pass
+        rc = self._proc.returncode
+        if rc == 0:
+            return {"status": "done", "node": job.node}
+        if rc == EXIT_REQUEUE:
+            # Stopped after a checkpoint. On global rank 0 submitit's handler requeues the job (it is
+            # killed at that point); the other tasks end here.
+            if job.global_rank == 0:  # only if the stop signal did not reach this process
+                raise RuntimeError("stopped after a checkpoint (exit 75) without submitit's requeue signal; "
+                                   "submit the same command again to continue")
+            return {"status": "stopped", "node": job.node}
+        raise RuntimeError(f"the launcher on node {job.node} exited with code {rc}; see the lines above")
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit's hook on its timeout/preemption signal (global rank 0): the launcher got the same
+        SIGTERM; wait until the workers have saved and stopped, then requeue a fresh copy of this job,
+        which resumes from that checkpoint. A launcher that failed or was killed is not requeued."""
+        from submitit.helpers import DelayedSubmission
+
+        if self._done is not None:
+            self._done.wait()
+            rc = self._proc.returncode
+            print(f"train.submit: the launcher ended with {rc} after the stop signal", file=sys.stderr, flush=True)
+            if rc not in (0, EXIT_REQUEUE):  # 0: finished just now; the requeued job sees it complete
+                return None
+        # submitit requeues next, and SLURM then stops this job with SIGTERM: that one needs no handling
+        # (a second checkpoint and `scontrol requeue` of a job already pending would only fail).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return DelayedSubmission(TrainJob(self.train_args, self.nproc_per_node, self.project_dir, self.python))
+
+
+def parse_time(value: str) -> int:
+    """Minutes from MINUTES, HH:MM:SS, MM:SS or D-HH[:MM[:SS]]."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected MINUTES, HH:MM:SS or D-HH:MM:SS, got {value!r}")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is None and b is None:
+        minutes = a  # plain minutes
+    elif days is None and c is None:
+        minutes = a + b / 60  # MM:SS
+    else:
+        minutes = (days or 0) * 1440 + a * 60 + (b or 0) + (c or 0) / 60
+    if minutes < 1:
+        raise argparse.ArgumentTypeError(f"the time limit must be at least a minute, got {value!r}")
+    return int(-(-minutes // 1))
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m train.submit", description=__doc__.splitlines()[0],
+                                usage="%(prog)s --nodes N [options] [--] [--config FILE] [key=value ...]",
+                                allow_abbrev=False)
+    p.add_argument("--nodes", type=int, required=True, help="nodes (one task per node)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
+    p.add_argument("--nproc-per-node", default=None,
+                   help="processes per node (default: --gpus-per-node, else auto: one per GPU, else 2)")
+    p.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node's task")
+    p.add_argument("--time", type=parse_time, default=60, help="time limit: MINUTES or HH:MM:SS (default 60)")
+    p.add_argument("--partition", default=None, help="SLURM partition")
+    p.add_argument("--name", default="ddp-template", help="job name")
+    p.add_argument("--folder", default=None, help="submitit's folder for logs and pickles "
+                   "(default: <run dir>/submitit; on a file system every node sees)")
+    p.add_argument("--signal-delay", type=int, default=120,
+                   help="seconds before the time limit at which the job checkpoints and requeues (default 120)")
+    p.add_argument("--max-timeouts", type=int, default=20, help="requeues after reaching the time limit (default 20)")
+    p.add_argument("--python", default=sys.executable, help="interpreter in the job (default: this one)")
+    p.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 if it completed")
+    args, rest = p.parse_known_args(argv)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if args.nodes < 1:
+        p.error(f"--nodes must be at least 1, got {args.nodes}")
+    return args, rest
+
+
+def job_state(job_id: str) -> str:
+    """SLURM's state of the job (PENDING, RUNNING, COMPLETED, ...), or '' once SLURM forgot it."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    m = re.search(r"\bJobState=(\S+)", out.stdout)
+    return m.group(1) if m else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_args = parse_args(argv)
+    from train.config import ConfigError
+    from train.launch import check_training_args
+
+    # The job runs in the project folder: a config path given from elsewhere is made absolute, and the
+    # run directory is resolved there, as the job will.
+    train_args = [str(Path(a).resolve()) if i and train_args[i - 1] == "--config" and Path(a).is_file() else a
+                  for i, a in enumerate(train_args)]
+    train_args = [f"--config={Path(a[9:]).resolve()}" if a.startswith("--config=") and Path(a[9:]).is_file() else a
+                  for a in train_args]
+    os.chdir(ROOT)
+    try:
+        cfg = check_training_args(train_args)  # a bad config fails here, not in the queue
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if shutil.which("sbatch") is None:
+        print("error: sbatch not found: train.submit submits to a SLURM cluster (see the README, SLURM)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # before submitit is imported
+    try:
+        import submitit
+    except ImportError:
+        print("error: submitit is not installed: pip install -r requirements.txt", file=sys.stderr)
+        return EXIT_USAGE
+
+    run_dir = cfg.run_dir.resolve()
+    folder = Path(args.folder) if args.folder else run_dir / "submitit"
+    nproc = args.nproc_per_node or (str(args.gpus_per_node) if args.gpus_per_node > 0 else "auto")
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=args.max_timeouts, python=args.python)
+    params = dict(job_name=args.name, nodes=args.nodes, ntasks_per_node=1, time=args.time,
+                  signal_delay_s=args.signal_delay, stderr_to_stdout=False,
+                  srun_args=["--kill-on-bad-exit=1"],
+                  setup=[f"cd {ROOT}", f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}",
+                         f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}"],
+                  additional_parameters={"requeue": True})
+    if args.gpus_per_node > 0:
+        params["gpus_per_node"] = args.gpus_per_node
+    if args.cpus_per_task:
+        params["cpus_per_task"] = args.cpus_per_task
+    if args.partition:
+        params["partition"] = args.partition
+    executor.update_parameters(**params)
+    try:
+        job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
+    except Exception as e:  # sbatch refused it: its message says why
+        print(f"error: submission failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
+              file=sys.stderr)
+        return 1
+    print(f"submitted job {job.job_id}: {args.nodes} node(s), run dir {run_dir}")
+    print(f"logs: {job.paths.stdout} and {job.paths.stderr} (rank 0's node; _1_, _2_... for the others)")
+    print(f"follow: tail -f {job.paths.stderr}    cancel: scancel {job.job_id}", flush=True)
+    if not args.wait:
+        return 0
+    while (state := job_state(job.job_id)) and state not in TERMINAL:
+        time.sleep(2)
+    ok = (run_dir / "summary.json").is_file() and state in ("COMPLETED", "")
+    print(f"job {job.job_id}: {state or 'ended'}; " + (f"{run_dir / 'summary.json'} written" if ok else
+                                                        f"see {job.paths.stderr}"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
