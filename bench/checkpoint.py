@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _util import write_json  # noqa: E402
 
 from train import checkpoint, config, model, optim  # noqa: E402
 
@@ -60,7 +61,11 @@ def main() -> None:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="seconds: ResNet-18, one repeat")
+    p.add_argument("--json")
     args = p.parse_args()
+    if args.smoke:
+        args.model, args.repeats = "resnet18", 1
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-ckpt-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -110,6 +115,11 @@ def main() -> None:
         print(f"{name:40s} {ours:8.3f} {base:8.3f} {ratio:7.2f} {'<= ' + str(target):>7s} "
               f"{'ok' if ratio <= target else 'MISSED'}")
     dist.destroy_process_group()
+    write_json(args.json, {"model": args.model, "checkpoint_mib": size, "save_s": med(save_ours),
+                           "save_ratio_bare": med(save_ours) / med(save_bare),
+                           "save_ratio_fsync": med(save_ours) / med(save_fsynced),
+                           "load_s": med(load_ours), "load_ratio": med(load_ours) / med(load_bare),
+                           "async_blocking_ratio": med(block_async) / med(block_sync)})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""Helpers shared by the benchmarks: run the project's entry points and read what a run leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def env(**extra: str) -> dict:
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra)
+    return out
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    if nproc == 1:
+        return [PY, *args]
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def run(cmd: list[str], timeout: float = 1800, **extra_env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    """Each benchmark's figures, for bench/run_all.py to put into BENCHMARKS.md."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=2) + "\n")

@@ -1,0 +1,89 @@
+"""GPU training throughput on synthetic data (run it where a GPU is; `--smoke` runs a tiny CPU version).
+
+    python bench/gpu.py [--steps 50] [--json OUT]
+
+- ResNet-50, 224x224, batch 256, bf16 autocast, channels_last, with and without torch.compile:
+  images/s per GPU, against NVIDIA's published 2,470 images/s for ResNet-50 with AMP on one A100 80GB
+  (DeepLearningExamples); the goal on an H100 is at least 1.5x that.
+- ResNet-18 on CIFAR-sized input (32x32, the CIFAR stem), batch 256, bf16, channels_last.
+- The AMP speed-up: ResNet-50 in bf16 against fp32 (TF32 matmuls, the project's default).
+One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _util import write_json  # noqa: E402
+
+from train import config, model  # noqa: E402
+
+A100_RESNET50_AMP = 2470.0  # images/s, NVIDIA DeepLearningExamples, 1x A100 80GB, AMP
+
+
+def images_per_s(name: str, size: int, batch: int, precision: str, compile_: bool, steps: int,
+                 device: torch.device) -> float:
+    cfg = config.ModelConfig(name=name)
+    net = model.build(cfg, 1000 if size > 64 else 10, size).to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    step_model = torch.compile(net) if compile_ else net
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32"):
+            loss = F.cross_entropy(step_model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(max(3, steps // 5)):  # warm-up (and compilation)
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--smoke", action="store_true", help="seconds, on CPU: tiny sizes, no compile")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    device = torch.device("cpu" if args.smoke else "cuda")
+    big, small, batch, steps = (224, 32, 256, args.steps) if not args.smoke else (32, 16, 4, 1)
+    name = "resnet50" if not args.smoke else "resnet18"
+    fig = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"}
+    fig["resnet50_bf16"] = images_per_s(name, big, batch, "bf16", False, steps, device)
+    fig["resnet50_fp32"] = images_per_s(name, big, batch, "fp32", False, steps, device)
+    fig["resnet50_bf16_compile"] = images_per_s(name, big, batch, "bf16", not args.smoke, steps, device)
+    fig["resnet18_cifar_bf16"] = images_per_s("resnet18", small, batch, "bf16", False, steps, device)
+    fig["amp_speedup"] = fig["resnet50_bf16"] / fig["resnet50_fp32"]
+    best = max(fig["resnet50_bf16"], fig["resnet50_bf16_compile"])
+    fig["vs_a100_published"] = best / A100_RESNET50_AMP
+    for k, v in fig.items():
+        print(f"{k:24s} {v if isinstance(v, str) else f'{v:.2f}'}")
+    print(f"ResNet-50 best {best:.0f} images/s = {fig['vs_a100_published']:.2f}x NVIDIA's A100 80GB AMP figure "
+          f"({A100_RESNET50_AMP:.0f}); goal on an H100: >= 1.5x")
+    write_json(args.json, fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Recovery time after a worker is SIGKILLed, from the kill to the first training step after the restart.
+
+    python bench/recovery.py [--repeats 3] [--nproc 2] [--model resnet18]
+
+Runs the shared launcher (torchrun, gloo on CPU, --max-restarts=1), kills rank 1 mid-run, and splits
+the time until the restarted group's first step into:
+    detection   kill -> torchrun's agent notices and starts stopping the group
+    restart     -> the new worker processes exist (the rest of the group stopped, rendezvous done)
+    start-up    -> the checkpoint starts loading (imports, process group, data, model)
+    load        checkpoint read, verified and loaded
+    first step  -> the first optimizer step after the restart is done
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _util import ROOT, write_json
+
+TINY = ["data.image_size=32", "data.train_samples=1024", "data.eval_samples=64", "data.num_workers=0",
+        "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1", "train.eval_every=0",
+        "train.steps=40", "checkpoint.every=5", "dist.timeout_s=30"]
+
+
+def workers(run_dir: Path) -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"run.dir={run_dir}".encode() in cmd and b"-m" in cmd and cmd[cmd.index(b"-m") + 1] == b"train":
+            pids.add(int(proc.name))
+    return pids
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        env = (Path(f"/proc/{pid}") / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
+
+
+def glog_time(line: str) -> float:
+    """torchrun's log prefix, e.g. W1122 02:21:51.164000 (local time, no year)."""
+    m = re.match(r"[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)", line)
+    month, day, clock = m.groups()
+    now = datetime.datetime.now()
+    t = datetime.datetime.strptime(f"{now.year}-{month}-{day} {clock}", "%Y-%m-%d %H:%M:%S.%f")
+    return t.timestamp()
+
+
+def once(run_dir: Path, nproc: int, model: str, smoke: bool) -> dict[str, float]:
+    sizes = ["data.image_size=16", "data.train_samples=256", "train.global_batch_size=16",
+             "train.micro_batch_size=8", "train.steps=20"] if smoke else []
+    cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
+           "--config", "configs/default.yaml", *TINY, *sizes, f"model.name={model}", f"run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and any(json.loads(x)["step"] >= 12 for x in metrics.read_text().splitlines())):
+        if proc.poll() is not None:
+            raise SystemExit(f"the run ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    old = workers(run_dir)
+    victim = next(p for p in old if rank_of(p) == 1)
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)
+    t_new = None
+    while t_new is None:
+        if workers(run_dir) - old:
+            t_new = time.time()
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the run failed: {err[-2000:]}")
+    t_detect = min(glog_time(x) for x in err.splitlines() if "closing signal SIGTERM" in x)
+    resumed = next(x for x in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "resumed from" in x)
+    stamp, load_s = resumed[:23], float(re.search(r" in ([\d.]+) s$", resumed).group(1))
+    t_loaded = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    step = int(re.search(r"at step (\d+)", resumed).group(1))
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    t_first = next(r["time"] for r in records if r.get("step") == step + 1 and "loss" in r)
+    return {"detection": t_detect - t_kill, "restart": t_new - t_detect, "start-up": t_loaded - load_s - t_new,
+            "load": load_s, "first step": t_first - t_loaded, "total": t_first - t_kill}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--smoke", action="store_true", help="one repeat")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.smoke:
+        args.repeats = 1
+    runs = []
+    for i in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
+            runs.append(once(Path(d) / "run", args.nproc, args.model, args.smoke))
+            print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in runs[-1].items()), flush=True)
+    print(f"\nrecovery after SIGKILL of rank 1 of {args.nproc} (gloo, CPU, {args.model}), median of {args.repeats}:")
+    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    for key, value in medians.items():
+        print(f"  {key:11s} {value:6.2f} s")
+    write_json(args.json, {f"recovery_{k.replace(' ', '_').replace('-', '_')}_s": v for k, v in medians.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Run every benchmark and write BENCHMARKS.md: `make bench` (or `--smoke`: seconds each, as CI does).
+
+    python bench/run_all.py [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE]
+
+The GPU figures come from bench/gpu.py where a GPU is present, or from --gpu-json (the JSON that
+`bench/gpu.py --json` wrote on a GPU machine); otherwise they are marked as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _util import PY, ROOT
+
+BENCHES = ["overhead", "throughput", "checkpoint", "recovery", "gpu"]
+
+# (figure, key, goal text, is the goal met?)
+ROWS = [
+    ("overhead: python -m train / bare DDP loop, step time (2 gloo procs, CPU)", "overhead_ratio", "<= 1.02",
+     lambda v: v <= 1.02),
+    ("overhead: final weights bitwise equal to the bare loop", "bitwise_equal", "yes", lambda v: v is True),
+    ("scaling: samples/s, 1 process (2 threads), CPU", "samples_per_s_1proc", "", None),
+    ("scaling: samples/s, 2 gloo processes, CPU", "samples_per_s_2proc", "", None),
+    ("scaling: 2 processes / 1 process", "scaling_2_over_1", "", None),
+    ("data wait share of a step, built-in data, default workers", "data_wait_share_builtin_2proc", "", None),
+    ("data wait share of a step, ImageFolder (PNG), default workers", "data_wait_share_imagefolder_2proc", "", None),
+    ("checkpoint save / bare torch.save", "save_ratio_bare", "<= 1.15", lambda v: v <= 1.15),
+    ("checkpoint save / torch.save + fsync", "save_ratio_fsync", "<= 1.15", lambda v: v <= 1.15),
+    ("checkpoint load / bare torch.load (into model + optimizer)", "load_ratio", "<= 1.15", lambda v: v <= 1.15),
+    ("async save: training blocked / synchronous save", "async_blocking_ratio", "<= 0.20", lambda v: v <= 0.20),
+    ("recovery after SIGKILL of a worker: total, s", "recovery_total_s", "", None),
+    ("  detection, s", "recovery_detection_s", "", None),
+    ("  restart (stop group + rendezvous), s", "recovery_restart_s", "", None),
+    ("  start-up (imports, process group, data, model), s", "recovery_start_up_s", "", None),
+    ("  checkpoint load, s", "recovery_load_s", "", None),
+    ("  first step, s", "recovery_first_step_s", "", None),
+    ("GPU: ResNet-50 224px bs256 bf16 channels_last, images/s", "resnet50_bf16", "", None),
+    ("GPU: the same with torch.compile, images/s", "resnet50_bf16_compile", "", None),
+    ("GPU: best ResNet-50 / NVIDIA's A100 80GB AMP (2,470 images/s)", "vs_a100_published", ">= 1.5 (H100)",
+     lambda v: v >= 1.5),
+    ("GPU: AMP (bf16) speed-up over fp32 (TF32), ResNet-50", "amp_speedup", "", None),
+    ("GPU: ResNet-18 CIFAR 32px bs256 bf16, images/s", "resnet18_cifar_bf16", "", None),
+]
+
+
+def fmt(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def plot(figures: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = [(label.split(":")[0] + ": " + key, figures[key], goal) for label, key, goal, _ in ROWS
+              if key in figures and isinstance(figures[key], float) and goal.startswith("<=")]
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(ratios)))
+    for i, (_, value, goal) in enumerate(ratios):
+        limit = float(goal.split()[1])
+        ax.barh(i, value, color="tab:green" if value <= limit else "tab:red")
+        ax.plot([limit, limit], [i - 0.4, i + 0.4], color="black")
+    ax.set_yticks(range(len(ratios)), [r[0] for r in ratios], fontsize=8)
+    ax.set_xlabel("ratio (black bar: goal)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--gpu-json", help="figures from `bench/gpu.py --json` on a GPU machine")
+    args = p.parse_args()
+    figures: dict = {}
+    gpu_note = "measured here"
+    with tempfile.TemporaryDirectory(prefix="bench-") as d:
+        for name in BENCHES:
+            if name == "gpu" and args.gpu_json:
+                figures |= json.loads(Path(args.gpu_json).read_text())
+                gpu_note = f"from {args.gpu_json}"
+                continue
+            if name == "gpu" and not args.smoke:
+                import torch
+
+                if not torch.cuda.is_available():
+                    gpu_note = "not measured: no GPU on this machine (run bench/gpu.py where one is)"
+                    continue
+            out = Path(d) / f"{name}.json"
+            cmd = [PY, str(ROOT / "bench" / f"{name}.py"), "--json", str(out), *(["--smoke"] if args.smoke else [])]
+            print(f"+ {' '.join(cmd)}", flush=True)
+            t = time.time()
+            subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            print(f"  ({time.time() - t:.0f} s)", flush=True)
+            figures |= json.loads(out.read_text())
+    import torch
+    import torchvision
+
+    out = Path(args.out)
+    png = out.with_suffix(".png")
+    plot(figures, png)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    lines = [
+        "# Benchmarks", "",
+        f"Written by `python bench/run_all.py{' --smoke' if args.smoke else ''}` (`make bench`) on "
+        f"{time.strftime('%Y-%m-%d %H:%M')}." + (" **Smoke run: tiny sizes, the figures mean nothing.**"
+                                                 if args.smoke else ""), "",
+        f"- machine: {socket.gethostname()}, {platform.platform()}, {os.cpu_count()} CPUs",
+        f"- versions: Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchvision {torchvision.__version__}, commit {commit.stdout.strip() or 'unknown'}",
+        f"- GPU figures: {gpu_note}" + (f" ({figures['device']})" if "device" in figures else ""), "",
+        "| figure | value | goal | met |", "| --- | --- | --- | --- |",
+    ]
+    for label, key, goal, check in ROWS:
+        if key not in figures:
+            lines.append(f"| {label} | not measured | {goal} | |")
+            continue
+        v = figures[key]
+        met = "" if check is None else ("yes" if check(v) else "**no**")
+        lines.append(f"| {label} | {fmt(v)} | {goal} | {met} |")
+    lines += ["", f"![ratios against their goals]({png.name})", ""]
+    out.write_text("\n".join(lines))
+    print(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""CPU throughput: scaling from 1 to 2 processes, and the share of a step spent waiting for data.
+
+    python bench/throughput.py [--steps 30] [--json OUT]
+
+Scaling: samples/s of the default job with 1 process (all cores) and with 2 gloo processes (one core
+each), the same global batch. Data: the share of the step spent waiting for the loader, for the
+built-in data and for an ImageFolder of PNG files written here, at the default worker count.
+Figures are medians over the log windows after the first (start-up excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from _util import run, torchrun, train_records, write_json
+from PIL import Image
+
+
+def window_median(run_dir: Path, key: str) -> float:
+    return statistics.median(r[key] for r in train_records(run_dir)[1:] or train_records(run_dir))
+
+
+def imagefolder(root: Path, per_class: int, classes: int = 10, size: int = 64) -> Path:
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("val", max(2, per_class // 8))):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--smoke", action="store_true", help="seconds: tiny images, few steps")
+    p.add_argument("--json")
+    args = p.parse_args()
+    common = [f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.every=0", "train.log_every=5"]
+    per_class = 64
+    if args.smoke:
+        common = ["train.steps=4", "train.eval_every=0", "checkpoint.every=0", "train.log_every=2",
+                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32"]
+        per_class = 8
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as d:
+        d = Path(d)
+        for nproc in (1, 2):
+            out = d / f"scale{nproc}"
+            run(torchrun(nproc, "-m", "train", *common, f"run.dir={out}"),
+                OMP_NUM_THREADS=str(2 // nproc))  # the same two cores either way
+            figures[f"samples_per_s_{nproc}proc"] = window_median(out, "samples_per_s")
+            figures[f"data_wait_share_builtin_{nproc}proc"] = window_median(out, "data_wait_share")
+        folder = imagefolder(d / "imgs", per_class)
+        out = d / "folder"
+        run(torchrun(2, "-m", "train", *common, "data.name=imagefolder", f"data.path={folder}", f"run.dir={out}",
+                     "train.global_batch_size=32", "train.micro_batch_size=16"))
+        figures["data_wait_share_imagefolder_2proc"] = window_median(out, "data_wait_share")
+        figures["samples_per_s_imagefolder_2proc"] = window_median(out, "samples_per_s")
+    figures["scaling_2_over_1"] = figures["samples_per_s_2proc"] / figures["samples_per_s_1proc"]
+    for k, v in figures.items():
+        print(f"{k:36s} {v:.3f}")
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Every benchmark runs (a seconds-long smoke, as `make bench` would at full size) and BENCHMARKS.md
+gets a row per figure. Timings are printed, never asserted."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import PY, ROOT, clean_env
+
+
+def test_benchmarks_smoke_writes_the_results_page(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([PY, "bench/run_all.py", "--smoke", "--out", str(out)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    page = out.read_text()
+    for figure in ("overhead: python -m train / bare DDP loop", "final weights bitwise equal to the bare loop",
+                   "scaling: 2 processes / 1 process", "data wait share of a step, ImageFolder",
+                   "checkpoint save / bare torch.save", "async save: training blocked",
+                   "recovery after SIGKILL of a worker: total", "GPU: ResNet-50 224px"):
+        row = next(line for line in page.splitlines() if figure in line)
+        assert "not measured" not in row, row
+    # the smoke trains both loops from the same seed: the template adds no numerical difference
+    assert "| final weights bitwise equal to the bare loop | yes |" in page
+    assert (tmp_path / "BENCHMARKS.png").stat().st_size > 1000
+    print(page)
