@@ -104,6 +104,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files in <run_dir>/wandb, `wandb sync` later
+    project: str = "ddp-template"
+    entity: str = ""  # empty: the default entity of the API key
+    tags: str = ""  # comma-separated: "baseline,resnet18"
+    group: str = ""  # groups runs in the UI (a sweep, an ablation)
+
+
+@dataclass
+class LogConfig:
+    progress_bar: Literal["auto", "always", "never"] = "auto"  # rank 0's tqdm bar; auto: when stdout is a terminal
+    straggler_threshold: float = 1.25  # warn when the slowest rank needs this many times the fastest's time
+    report: bool = True  # report.png and report.txt in the run directory at the end
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False  # torch.profiler trace of a few steps into <run_dir>/profile/ (every rank)
+    wait: int = 5  # steps skipped first (counted from the first step of this process)
+    warmup: int = 2  # steps traced but discarded
+    active: int = 3  # steps recorded
+    memory: bool = False  # also record tensor allocations (larger trace)
+
+
+@dataclass
 class Config:
     seed: int = 0
     resume: str = "auto"  # auto | never | PATH
@@ -114,6 +140,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -262,6 +290,24 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def wandb_tags(w: WandbConfig) -> list[str]:
+    return [t.strip() for t in w.tags.split(",") if t.strip()]
+
+
+def _validate_observability(cfg: Config) -> None:
+    lg, w, p = cfg.log, cfg.log.wandb, cfg.profile
+    _require(lg.straggler_threshold >= 1,
+             f"log.straggler_threshold must be >= 1 (slowest / fastest rank), got {lg.straggler_threshold}")
+    if w.mode != "disabled":
+        bad = set("/\\#?%:") & set(w.project)
+        _require(bool(w.project.strip()) and not bad,
+                 f"log.wandb.project must be a non-empty name without / \\ # ? % :, got {w.project!r}")
+        long = [t for t in wandb_tags(w) if len(t) > 64]
+        _require(not long, f"log.wandb.tags: a tag is at most 64 characters, got {long[0]!r}" if long else "")
+    _require(p.wait >= 0 and p.warmup >= 0, f"profile.wait and profile.warmup must be >= 0, got {p.wait}, {p.warmup}")
+    _require(p.active >= 1, f"profile.active must be >= 1, got {p.active}")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Range checks; with world_size, also the batch arithmetic of that world."""
     t, d, o, c = cfg.train, cfg.data, cfg.optim, cfg.checkpoint
@@ -297,6 +343,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
     _require(bool(cfg.run.name) and "/" not in cfg.run.name,
              f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
+    _validate_observability(cfg)
     if world_size is not None:
         per_step = t.micro_batch_size * world_size
         _require(t.global_batch_size % per_step == 0,

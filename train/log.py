@@ -1,32 +1,57 @@
-"""Everything a run reports: console, per-rank log files, metrics.jsonl, run info, summary.json.
+"""Everything a run reports: console, progress bar, per-rank log files, metrics.jsonl, Weights & Biases,
+run info, summary.json and the end-of-run report.
 
-Rank 0 speaks for the job (console progress, metrics, run files); every rank writes its own log
-file under <run_dir>/logs/, and the other ranks print only warnings and errors.
+Rank 0 speaks for the job (console progress, metrics, tracker, run files); every rank writes its own
+log file under <run_dir>/logs/, and the other ranks print only warnings and errors. All the
+"am I rank 0?" decisions of reporting are made here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import netrc
 import os
 import platform
+import secrets
 import socket
+import string
 import subprocess
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import yaml
 
-from train.config import Config, to_dict
+from train.config import Config, ConfigError, LogConfig, to_dict, wandb_tags
 from train.distributed import DistEnv
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STRAGGLER_REPEAT = 10  # log steps between two straggler warnings
+
+
+class _Console(logging.Handler):
+    """Rank 0's console while a progress bar is shown: lines go above the bar; per-step lines are
+    left to the bar (they still reach the log file)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "progress", False):
+            return
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stdout)
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, denv: DistEnv):
+    def __init__(self, run_dir: Path, denv: DistEnv, cfg: Config | None = None):
         self.run_dir, self.rank, self.is_main = run_dir, denv.rank, denv.rank == 0
+        self.lcfg = cfg.log if cfg is not None else LogConfig()
+        self.total_steps = cfg.train.steps if cfg is not None else None
+        self.tracker: Tracker | None = None
+        self.bar = None
+        self._windows, self._quiet_until = 0, 0
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.logger = logging.getLogger(f"train.rank{denv.rank}")
         self.logger.setLevel(logging.INFO)
@@ -34,12 +59,13 @@ class RunLog:
         self.logger.handlers.clear()
         fmt = logging.Formatter(f"%(asctime)s [rank {denv.rank}] %(levelname)s %(message)s", "%H:%M:%S")
         to_file = logging.FileHandler(run_dir / "logs" / f"rank{denv.rank}.log")
-        to_file.setFormatter(fmt)
-        console = logging.StreamHandler(sys.stdout if self.is_main else sys.stderr)
-        console.setFormatter(fmt)
-        console.setLevel(logging.INFO if self.is_main else logging.WARNING)
+        to_file.setFormatter(logging.Formatter(  # files: the full date and milliseconds, to line up ranks
+            f"%(asctime)s.%(msecs)03d [rank {denv.rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        self.console = logging.StreamHandler(sys.stdout if self.is_main else sys.stderr)
+        self.console.setFormatter(fmt)
+        self.console.setLevel(logging.INFO if self.is_main else logging.WARNING)
         self.logger.addHandler(to_file)
-        self.logger.addHandler(console)
+        self.logger.addHandler(self.console)
         self.metrics_path = run_dir / "metrics.jsonl"
 
     def info(self, msg: str) -> None:
@@ -49,10 +75,119 @@ class RunLog:
         self.logger.warning(msg)
 
     def metrics(self, record: dict) -> None:
-        """Append one record to metrics.jsonl (rank 0 only)."""
+        """Append one record to metrics.jsonl (rank 0 only), whatever the tracker."""
         if self.is_main:
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record | {"time": round(time.time(), 3)}) + "\n")
+
+    # ---- training progress
+    def advance(self, step: int) -> None:
+        """After every optimizer step: moves rank 0's progress bar, if it has one."""
+        if not self.is_main:
+            return
+        if self.bar is None and self._wants_bar():
+            from tqdm import tqdm
+
+            try:  # a terminal of unknown size (0 x 0: `script`, `docker run -t`) would hide the bar
+                size = os.get_terminal_size(sys.stdout.fileno())
+                shape = {"dynamic_ncols": True} if size.columns and size.lines else {}
+            except (OSError, ValueError):
+                shape = {}
+            # The bar counts the steps of this process: its rate and ETA are not skewed by a resume.
+            self.bar = tqdm(total=self.total_steps, initial=step - 1, unit="step", file=sys.stdout,
+                            smoothing=0.1, **(shape or {"ncols": 100, "nrows": 24}))
+            handler = _Console()
+            handler.setFormatter(self.console.formatter)
+            self.logger.removeHandler(self.console)
+            self.logger.addHandler(handler)
+            self.console = handler
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def _wants_bar(self) -> bool:
+        p = self.lcfg.progress_bar
+        return self.total_steps is not None and (p == "always" or (p == "auto" and sys.stdout.isatty()))
+
+    def train(self, record: dict) -> None:
+        """A log step: metrics.jsonl, the tracker, the console (or the bar), a straggler warning."""
+        self._windows += 1
+        if not self.is_main:
+            return
+        self.metrics(record)
+        if self.tracker is not None:
+            self.tracker.log(record)
+        r = record
+        line = (f"step {r['step']}/{self.total_steps} epoch {r['epoch']} loss {r['loss']:.4f} lr {r['lr']:.4g} "
+                f"{r['samples_per_s']:.1f} samples/s, {r['step_time_s']:.3f} s/step, "
+                f"data wait {r.get('data_wait_share', 0):.0%}")
+        if len(r.get("samples_per_s_rank", ())) > 1:
+            line += f", slowest rank {r['slowest_rank']} x{r['straggler_ratio']:.2f}"
+        if "peak_mem_gib" in r:
+            line += f", peak mem {r['peak_mem_gib']:.1f} GiB"
+        if "mfu" in r:
+            line += f", MFU {r['mfu']:.1%}"
+        self.logger.info(line, extra={"progress": True})
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {r['loss']:.4f}, {r['samples_per_s']:.1f} samples/s")
+        self._check_straggler(r)
+
+    def _check_straggler(self, r: dict) -> None:
+        ratio = r.get("straggler_ratio", 1.0)
+        # The first window of a process holds its start-up (loader workers, allocator, autotuning).
+        if ratio <= self.lcfg.straggler_threshold or self._windows < 2 or self._windows < self._quiet_until:
+            return
+        self._quiet_until = self._windows + STRAGGLER_REPEAT
+        self.warning(f"straggler: rank {r['slowest_rank']} needs {ratio:.2f}x the time of the fastest rank "
+                     f"(log.straggler_threshold={self.lcfg.straggler_threshold:g}) at step {r['step']}; "
+                     f"it waits {r.get('slowest_data_wait_share', 0):.0%} of its steps for data; "
+                     f"quiet for the next {STRAGGLER_REPEAT} log steps")
+
+    def eval(self, record: dict) -> None:
+        if self.is_main:
+            self.metrics(record)
+            if self.tracker is not None:
+                self.tracker.log(record)
+            self.info(f"eval step {record['step']}: loss {record['eval_loss']:.4f} "
+                      f"accuracy {record['eval_accuracy']:.4f}")
+
+    # ---- experiment tracker
+    def start_tracker(self, cfg: Config, ckpt, resumed: bool) -> None:
+        """Rank 0 starts the W&B run: the checkpoint's run id when this run directory is resumed (the
+        same W&B run continues), else a new one; the id goes into every later checkpoint."""
+        if not self.is_main or cfg.log.wandb.mode == "disabled":
+            return
+        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg) else None
+        if resumed and ckpt.tracker_id and run_id is None:
+            self.info(f"resumed from another run's checkpoint ({cfg.resume}): a new W&B run, not "
+                      f"{ckpt.tracker_id}")
+        run_id = run_id or new_run_id()
+        self.tracker = Tracker.start(cfg, run_id, self)
+        if self.tracker is not None:
+            ckpt.tracker_id = run_id
+
+    def finish(self, summary: dict) -> None:
+        """The end of a complete run: summary.json, the tracker's summary, report.png and report.txt."""
+        if not self.is_main:
+            return
+        self._close_bar()
+        if self.tracker is not None:
+            summary = summary | {"wandb_run_id": self.tracker.run_id}
+        self.summary(summary)
+        if self.tracker is not None:
+            self.tracker.finish(summary, exit_code=0)
+            self.tracker = None
+        if self.lcfg.report:
+            try:
+                from train import report
+
+                t = time.perf_counter()
+                png, text = report.write(self.run_dir)
+                for line in text.splitlines():
+                    self.info(line)
+                self.info(f"report: {png} ({time.perf_counter() - t:.1f} s)")
+            except Exception as e:  # the run is done and saved: a failed plot must not fail it
+                self.warning(f"report not written ({type(e).__name__}: {e}); "
+                             f"try: python -m train.report {self.run_dir}")
 
     def truncate_metrics(self, after_step: int) -> None:
         """Drop records past `after_step`: a resumed run logs those steps again."""
@@ -80,7 +215,17 @@ class RunLog:
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
 
-    def close(self) -> None:
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def close(self, exit_code: int = 1) -> None:
+        """Idempotent. A tracker still open here ends with exit_code (1: the run failed)."""
+        self._close_bar()
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.finish(None, exit_code=exit_code)
         for h in list(self.logger.handlers):
             h.close()
             self.logger.removeHandler(h)
@@ -118,3 +263,130 @@ def hardware(device: torch.device) -> dict:
                        "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
                       for i in range(torch.cuda.device_count())]
     return hw
+
+
+# ---------------------------------------------------------------- Weights & Biases (rank 0)
+
+def new_run_id() -> str:
+    """A W&B run id, made here so that the checkpoint can carry it before W&B is even imported."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def _own_checkpoint(cfg: Config) -> bool:
+    """Whether resume reads this run directory's checkpoints (and not another run's)."""
+    if cfg.resume == "auto":
+        return True
+    try:
+        Path(cfg.resume).resolve().relative_to(cfg.run_dir.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def wandb_credentials_problem(cfg: Config) -> str | None:
+    """Online mode needs an API key (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry): the one line
+    to print when there is none. Looked up the way wandb does, without importing it."""
+    if cfg.log.wandb.mode != "online":
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC") or None)
+        if auth.authenticators(url.netloc) or auth.authenticators(url.hostname or ""):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"log.wandb.mode=online but no W&B API key is set for {url.netloc}: export WANDB_API_KEY (or run "
+            f"`wandb login` once), or train with log.wandb.mode=offline and `wandb sync` the run later")
+
+
+def check_tracker(cfg: Config, rank: int) -> None:
+    """Before anything is written: rank 0 (the one that logs) checks the tracker's credentials and
+    every rank learns the verdict, so that all of them stop together with the same one line."""
+    verdict = [wandb_credentials_problem(cfg) if rank == 0 else None]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ConfigError(verdict[0])
+
+
+def _wandb_key(key: str) -> str:
+    if key == "step":
+        return key
+    if key.startswith("eval_"):
+        return "eval/" + key.removeprefix("eval_")
+    if key in ("loss", "lr", "epoch"):
+        return "train/" + key
+    return "perf/" + key
+
+
+class Tracker:
+    """One W&B run, on rank 0. Offline by default: the run's files go to <run_dir>/wandb/ and
+    `wandb sync` uploads them later. Our step is W&B's x-axis (define_metric), so a resumed run that
+    logs its last steps again adds points instead of being refused for going back in W&B's own step."""
+
+    def __init__(self, run, run_id: str, runlog: RunLog):
+        self.run, self.run_id, self.runlog = run, run_id, runlog
+
+    @classmethod
+    def start(cls, cfg: Config, run_id: str, log: RunLog) -> Tracker | None:
+        w = cfg.log.wandb
+        t = time.perf_counter()
+        os.environ.setdefault("WANDB_SILENT", "true")  # this process only (rank 0): we print our own lines
+        try:
+            import wandb
+        except ImportError:
+            log.warning("log.wandb.mode is not disabled but wandb is not installed: pip install -r requirements.txt")
+            return None
+        settings = wandb.Settings(console="off", silent=True, allow_val_change=True)
+        kwargs = dict(project=w.project, entity=w.entity or None, group=w.group or None,
+                      tags=wandb_tags(w) or None, name=cfg.run.name, id=run_id, resume="allow",
+                      dir=str(cfg.run_dir), config=to_dict(cfg), settings=settings)
+        try:
+            run = wandb.init(mode=w.mode, **kwargs)
+        except Exception as e:
+            if w.mode != "online":
+                log.warning(f"wandb did not start ({type(e).__name__}: {e}); metrics.jsonl only")
+                return None
+            # A key but no service (network down, server unreachable): keep training, record offline.
+            log.warning(f"wandb online did not start ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                        f"recording offline instead: `wandb sync` the run later")
+            wandb.teardown()  # forget the failed attempt, whose run id is the one to record under
+            try:
+                run = wandb.init(mode="offline", **kwargs)
+            except Exception as e2:
+                log.warning(f"wandb did not start offline either ({type(e2).__name__}: {e2}); metrics.jsonl only")
+                return None
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        elapsed = time.perf_counter() - t
+        if run.offline:
+            pieces = cfg.run_dir / "wandb" / f"offline-run-*-{run_id}"
+            log.info(f"wandb: offline run {run_id} in {cfg.run_dir / 'wandb'} ({elapsed:.1f} s); "
+                     f"upload with: wandb sync {pieces}")
+        else:
+            log.info(f"wandb: run {run_id} at {run.url} ({elapsed:.1f} s)")
+        return cls(run, run_id, log)
+
+    def log(self, record: dict) -> None:
+        data = {}
+        for k, v in record.items():
+            if isinstance(v, list):  # per-rank values: their extremes
+                if v:
+                    data[_wandb_key(k) + "_min"], data[_wandb_key(k) + "_max"] = min(v), max(v)
+            else:
+                data[_wandb_key(k)] = v
+        try:
+            self.run.log(data)
+        except Exception as e:  # the tracker must never stop training; metrics.jsonl has everything
+            self.runlog.warning(f"wandb.log failed ({type(e).__name__}: {e}); no more W&B logging in this run")
+            self.runlog.tracker = None
+
+    def finish(self, summary: dict | None, exit_code: int) -> None:
+        try:
+            if summary:
+                self.run.summary.update({k: v for k, v in summary.items() if k != "step"})
+            self.run.finish(exit_code=exit_code)
+        except Exception as e:
+            self.runlog.warning(f"wandb did not finish cleanly ({type(e).__name__}: {e})")

@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import data, distributed, model, optim
 from train.checkpoint import EXIT_REQUEUE, Checkpointer
 from train.config import Config, ConfigError
-from train.log import RunLog
+from train.log import RunLog, check_tracker
+from train.metrics import StepMeter
 
 EXIT_USAGE = 2
 
@@ -71,16 +72,18 @@ def _to_device(parts: Parts, x: torch.Tensor, y: torch.Tensor):
     return (x.to(parts.device, non_blocking=True, memory_format=fmt), y.to(parts.device, non_blocking=True))
 
 
-def train_step(parts: Parts, batches, accum: int) -> torch.Tensor:
+def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Tensor:
     """One optimizer step; returns the mean loss of this rank's micro-batches (a tensor: no sync)."""
     cfg = parts.cfg
     optim.set_lr(parts.optimizer, optim.lr_at(parts.step, cfg.train.steps, cfg.optim))
     total = torch.zeros((), device=parts.device)
     for micro in range(accum):
-        x, y = _to_device(parts, *next(batches))
+        with meter.waiting_for_data():
+            batch = next(batches)
+        x, y = _to_device(parts, *batch)
         # Only the last micro-step all-reduces; the others accumulate gradients locally.
         sync = contextlib.nullcontext() if micro == accum - 1 else parts.ddp.no_sync()
-        with sync:
+        with sync, meter.computing():
             with autocast(parts):
                 loss = F.cross_entropy(parts.step_model(x), y) / accum
             parts.scaler.scale(loss).backward()
@@ -105,7 +108,7 @@ def ranks_in_sync(parts: Parts) -> bool:
     return len(set(digests)) == 1
 
 
-def fit(parts: Parts, ckpt: Checkpointer) -> dict | None:
+def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
     """Train to cfg.train.steps, logging, evaluating and checkpointing on the way.
 
     Returns the run's summary, or None when a stop signal ended it early (after a checkpoint)."""
@@ -113,33 +116,29 @@ def fit(parts: Parts, ckpt: Checkpointer) -> dict | None:
     accum = cfg.accum_steps(parts.world_size)
     batches = iter(parts.stream)
     start_step, t_start = parts.step, time.perf_counter()
-    window_loss, window_steps, t_window = torch.zeros((), device=parts.device), 0, time.perf_counter()
+    window_loss = torch.zeros((), device=parts.device)
     train_loss = eval_loss = eval_acc = float("nan")
     parts.raw.train()
+    meter.start()
     while parts.step < cfg.train.steps:
-        window_loss += train_step(parts, batches, accum)
-        window_steps += 1
+        window_loss += train_step(parts, batches, accum, meter)
+        meter.step_done()
         step = parts.step
+        log.advance(step)
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            loss_sum, n = distributed.all_reduce_sum([window_loss.item(), window_steps], parts.device)
-            elapsed = time.perf_counter() - t_window
+            loss_sum, n = distributed.all_reduce_sum([window_loss.item(), meter.steps], parts.device)
             train_loss = loss_sum / n
-            log.metrics({"step": step, "epoch": parts.stream.epoch, "loss": train_loss,
-                         "lr": parts.optimizer.param_groups[0]["lr"],
-                         "samples_per_s": window_steps * cfg.train.global_batch_size / elapsed,
-                         "step_time_s": elapsed / window_steps})
-            log.info(f"step {step}/{cfg.train.steps} epoch {parts.stream.epoch} loss {train_loss:.4f} "
-                     f"lr {parts.optimizer.param_groups[0]['lr']:.4g} "
-                     f"{window_steps * cfg.train.global_batch_size / elapsed:.1f} samples/s")
+            log.train({"step": step, "epoch": parts.stream.epoch, "loss": train_loss,
+                       "lr": parts.optimizer.param_groups[0]["lr"]} | meter.window())
             window_loss.zero_()
-            window_steps, t_window = 0, time.perf_counter()
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
-            eval_loss, eval_acc = evaluate(parts)
-            log.metrics({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_acc})
-            log.info(f"eval step {step}: loss {eval_loss:.4f} accuracy {eval_acc:.4f}")
+            with meter.paused():
+                eval_loss, eval_acc = evaluate(parts)
+            log.eval({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_acc})
         stop = ckpt.stop_agreed(parts.device)
         if stop or ckpt.due(step):
-            ckpt.save(parts, blocking=stop)
+            with meter.paused():
+                ckpt.save(parts, blocking=stop)
         if stop:
             log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {step}, checkpoint saved")
             return None
@@ -166,7 +165,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     stream, eval_loader, num_classes = data.loaders(cfg, denv.rank, denv.world_size, device.type == "cuda")
     if cfg.model.sync_bn and device.type != "cuda":
         raise ConfigError("model.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use model.norm=group")
-    log = RunLog(cfg.run_dir, denv)  # only now: a config or data error leaves nothing behind
+    log = RunLog(cfg.run_dir, denv, cfg)  # only now: a config or data error leaves nothing behind
     raw = model.build(cfg.model, num_classes, cfg.data.image_size).to(device)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
@@ -183,14 +182,17 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
     """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code."""
     configure_torch(cfg)
-    parts = ckpt = None
+    parts = ckpt = meter = None
+    exit_code = 1  # what the tracker is told if this ends in an exception
     try:
         device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
+        check_tracker(cfg, denv.rank)  # e.g. W&B online without an API key: exit 2 before anything is written
         parts = build(cfg, denv, device)
         log = parts.log
         ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
         ckpt.install_signal_handler()
-        if ckpt.resume(parts):  # a mismatched checkpoint raises here, before anything is written
+        resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
+        if resumed:
             log.truncate_metrics(parts.step)
         log.run_info(cfg, denv, device)
         if parts.step >= cfg.train.steps:
@@ -199,22 +201,35 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
                  f"{cfg.accum_steps(denv.world_size)} micro-step(s) of {cfg.train.micro_batch_size} per rank, "
                  f"run dir {cfg.run_dir}")
-        summary = fit(parts, ckpt)
+        log.start_tracker(cfg, ckpt, resumed)
+        meter = StepMeter.build(cfg, parts, denv.rank)
+        summary = fit(parts, ckpt, meter)
         ckpt.wait()
         if summary is None:
+            exit_code = EXIT_REQUEUE
             return EXIT_REQUEUE
-        log.summary(summary)
+        exit_code = 0
         log.info(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f}, "
                  f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_s']:.1f} s")
+        log.finish(summary)  # summary.json, the tracker's summary, report.png and report.txt
         return 0
     except ConfigError as e:
         prefix = f"[rank {denv.rank}] " if denv.world_size > 1 else ""
         print(f"{prefix}error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (RuntimeError, torch.distributed.DistError) as e:
+        reason = distributed.describe_failure(e, cfg.dist.timeout_s)
+        if reason is None:
+            raise
+        print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+              file=sys.stderr)
+        return 1
     finally:
         if ckpt is not None:
             ckpt.wait()  # an asynchronous save in flight is finished, never abandoned
+        if meter is not None and (trace := meter.close()) is not None:
+            parts.log.info(trace)
         if parts is not None:
-            parts.log.close()
+            parts.log.close(exit_code)
         distributed.teardown()
 

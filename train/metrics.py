@@ -1,0 +1,223 @@
+"""How fast a run goes: step timing on every rank, summarised over all ranks at log steps; MFU; profiling.
+
+Each rank times, over a window of steps between two log steps:
+  wall     the window's wall time, minus evaluations and checkpoint saves (`paused()`);
+  data     time spent in next(batches), waiting for the loader;
+  compute  forward and backward: its own work, plus DDP's collectives (the buffer broadcast in forward,
+           the gradient all-reduce in backward), plus the time spent in them waiting for slower
+           ranks (CUDA events on GPUs, where the host runs ahead of the device).
+DDP makes every rank wait for the slowest at each step, so wall times are equal and say nothing about
+who is slow. A rank's wait for its peers is estimated as its `compute` minus the smallest `compute`
+of any rank (the slowest rank hardly waits; the work itself is the same on every rank), and its own
+time as the wall time minus that wait: the rate each rank could sustain alone, and the slowest rank
+against the fastest. This finds ranks held back by their data loading or their host; a GPU that is
+itself slower than its peers is not told apart from waiting. One all-gather of four numbers per log
+step, none in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Dense peak TFLOP/s per GPU (no sparsity) from the vendors' data sheets: (bf16/fp16, tf32, fp32).
+# Matched as substrings of torch.cuda.get_device_name(), first match wins (more specific first).
+PEAK_TFLOPS: list[tuple[str, tuple[float | None, float | None, float]]] = [
+    ("GB200", (2500.0, 1250.0, 80.0)),
+    ("B200", (2250.0, 1100.0, 75.0)),
+    ("GH200", (989.4, 494.7, 66.9)),
+    ("H200", (989.4, 494.7, 66.9)),
+    ("H100 NVL", (835.0, 417.5, 60.0)),
+    ("H100 PCIe", (756.5, 378.0, 51.2)),
+    ("H100", (989.4, 494.7, 66.9)),  # SXM
+    ("H800", (989.4, 494.7, 66.9)),
+    ("A100", (312.0, 156.0, 19.5)),
+    ("A800", (312.0, 156.0, 19.5)),
+    ("L40S", (362.1, 183.0, 91.6)),
+    ("L40", (181.0, 90.5, 90.5)),
+    ("L4", (121.0, 60.0, 30.3)),
+    ("A10G", (70.0, 35.0, 31.2)),
+    ("A10", (125.0, 62.5, 31.2)),
+    ("RTX 6000 Ada", (364.2, 182.1, 91.1)),
+    ("RTX A6000", (154.8, 77.4, 38.7)),
+    ("V100", (125.0, None, 15.7)),  # fp16 only, no bf16 or tf32
+    ("T4", (65.0, None, 8.1)),
+]
+
+
+def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
+    """The device's dense peak FLOP/s for the precision the matmuls run in; None if unknown."""
+    for key, (half, tf, fp32) in PEAK_TFLOPS:
+        if key in device_name:
+            if precision in ("bf16", "fp16"):
+                tflops = half if precision == "fp16" or tf is not None else None  # no bf16 before Ampere
+            else:
+                tflops = tf if tf32 and tf is not None else fp32
+            return tflops * 1e12 if tflops else None
+    return None
+
+
+def flops_per_sample(model_cfg, num_classes: int, image_size: int, batch: int) -> float:
+    """Forward + backward FLOPs of one training sample, counted once on a twin of the model built on
+    the meta device: no memory, no compute, no effect on the real model or on the random state."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train import model
+
+    twin_cfg = dataclasses.replace(model_cfg, sync_bn=False)  # same FLOPs, no collectives on the meta device
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        copy = model.build(twin_cfg, num_classes, image_size)
+        x = torch.empty(batch, 3, image_size, image_size)
+        y = torch.zeros(batch, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            torch.nn.functional.cross_entropy(copy(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+class StepMeter:
+    """Step timing on one rank; `window()` is collective: every rank calls it at the same steps."""
+
+    def __init__(self, device: torch.device, world_size: int, samples_per_rank_step: int,
+                 flops_per_sample: float | None = None, peak_flops: float | None = None,
+                 profiler: Profiler | None = None):
+        self.device, self.world_size, self.samples_per_rank_step = device, world_size, samples_per_rank_step
+        self.flops_per_sample, self.peak_flops, self.profiler = flops_per_sample, peak_flops, profiler
+        self.cuda = device.type == "cuda"
+        self._reset()
+
+    @classmethod
+    def build(cls, cfg, parts, rank: int) -> StepMeter:
+        """The meter of a run: FLOPs and peak only on GPUs (MFU is omitted on CPU), the profiler if asked."""
+        flops = peak = None
+        if parts.device.type == "cuda":
+            peak = peak_flops(torch.cuda.get_device_name(parts.device), cfg.train.precision, cfg.train.tf32)
+            try:
+                flops = flops_per_sample(cfg.model, parts.raw.fc.out_features, cfg.data.image_size,
+                                         cfg.train.micro_batch_size)
+            except Exception as e:  # an estimate is not worth a failed run
+                parts.log.warning(f"FLOPs not counted ({type(e).__name__}: {e}); no MFU")
+        prof = Profiler(cfg, rank, parts.step) if cfg.profile.enabled else None
+        samples = cfg.train.micro_batch_size * cfg.accum_steps(parts.world_size)
+        return cls(parts.device, parts.world_size, samples, flops, peak, prof)
+
+    def start(self) -> None:
+        """All ranks start timing together (collective): rank 0's start-up work (W&B) is not a wait."""
+        dist.all_reduce(torch.zeros(1, device=self.device))
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps, self.data_s, self.compute_s, self.paused_s = 0, 0.0, 0.0, 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        t = time.perf_counter()
+        yield
+        self.data_s += time.perf_counter() - t
+
+    @contextlib.contextmanager
+    def computing(self):
+        """Around a micro-step's forward and backward."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.compute_s += time.perf_counter() - t
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpointing: not training time."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the training work queued so far counts, not the pause
+        t = time.perf_counter()
+        yield
+        self.paused_s += time.perf_counter() - t
+
+    def step_done(self) -> None:
+        self.steps += 1
+        if self.profiler is not None:
+            self.profiler.prof.step()
+
+    def window(self) -> dict:
+        """Throughput of the steps since the last call, over all ranks (collective; rank 0 reports it)."""
+        wall = time.perf_counter() - self.t0 - self.paused_s
+        compute = self.compute_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3  # all done by now
+        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+        mine = torch.tensor([wall, self.data_s, compute, mem], dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        wall, data, compute, mem = torch.stack(every).cpu().T  # one row per rank
+        steps = max(self.steps, 1)
+        # Each rank's own time: the job's wall time (rank 0's clock) minus its wait for slower ranks; at
+        # least its data wait and the least compute of any rank.
+        own = torch.maximum(wall[0] - (compute - compute.min()), data + compute.min()).clamp(min=1e-9)
+        slowest = int(own.argmax())
+        out = {
+            "samples_per_s": steps * self.samples_per_rank_step * self.world_size / wall[0].item(),
+            "step_time_s": wall[0].item() / steps,
+            "samples_per_s_rank": (steps * self.samples_per_rank_step / own).tolist(),
+            "data_wait_share": (data / wall).mean().item(),
+            "straggler_ratio": (own.max() / own.min()).item(),
+            "slowest_rank": slowest,
+            "slowest_data_wait_share": (data[slowest] / wall[slowest]).item(),
+        }
+        if self.cuda:
+            out["peak_mem_gib"] = mem.max().item()
+            if self.flops_per_sample:
+                achieved = self.flops_per_sample * out["samples_per_s"] / self.world_size
+                out["tflops_per_gpu"] = achieved / 1e12
+                if self.peak_flops:
+                    out["mfu"] = achieved / self.peak_flops
+        self._reset()
+        return out
+
+    def close(self) -> str | None:
+        """Stop the profiler, if any (a trace still being recorded is written now); says what it wrote."""
+        if self.profiler is not None:
+            prof, self.profiler = self.profiler, None
+            return prof.stop()
+        return None
+
+
+class Profiler:
+    """torch.profiler over steps wait+warmup+1 .. wait+warmup+active of this process, written as
+    <run_dir>/profile/rank<N>.<time>.pt.trace.json (every rank): TensorBoard's profiler plugin, or
+    ui.perfetto.dev. The trace numbers the steps of this process from 0 (ProfilerStep#N)."""
+
+    def __init__(self, cfg, rank: int, step: int):
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        p = cfg.profile
+        self.dir, self.rank = cfg.run_dir / "profile", rank
+        self.first = step + p.wait + p.warmup + 1  # the training steps recorded, as metrics.jsonl counts them
+        self.last = min(self.first + p.active - 1, cfg.train.steps)
+        self.offset = step + 1
+        self.before = self._traces()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=activities, schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active,
+                                                                    repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{rank}"),
+                            record_shapes=True, profile_memory=p.memory)
+        self.prof.start()
+
+    def _traces(self) -> set[Path]:
+        return set(self.dir.glob(f"rank{self.rank}.*.pt.trace.json"))
+
+    def stop(self) -> str:
+        self.prof.stop()
+        if not self._traces() - self.before:
+            return f"profiler: the run ended before step {self.first}, no trace (lower profile.wait)"
+        return (f"profiler: steps {self.first}-{self.last} (ProfilerStep#{self.first - self.offset}-"
+                f"#{self.last - self.offset} in the trace) in {self.dir}: TensorBoard's profiler plugin or "
+                f"ui.perfetto.dev")
