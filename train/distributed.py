@@ -12,6 +12,7 @@ A group is always created, a one-process group in the last case, so the rest of 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import socket
@@ -136,6 +137,10 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # Free the process group now, not at interpreter exit: a gloo worker thread that drops the last
+    # reference to a tensor while Python is finalizing aborts the process ("terminate called without
+    # an active exception") after a run that succeeded.
+    gc.collect()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
