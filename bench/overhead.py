@@ -37,7 +37,8 @@ def main() -> None:
     first = 10
     if args.smoke:
         common = ["train.steps=6", "train.eval_every=0", "checkpoint.every=0", "data.num_workers=0",
-                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32", "train.log_every=2"]
+                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32", "train.log_every=2",
+                  "log.wandb.mode=disabled", "log.report=false"]
         args.rounds, first = 1, 2
     ours_t, bare_t, equal = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as d:

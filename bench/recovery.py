@@ -64,7 +64,8 @@ def glog_time(line: str) -> float:
 
 def once(run_dir: Path, nproc: int, model: str, smoke: bool) -> dict[str, float]:
     sizes = ["data.image_size=16", "data.train_samples=256", "train.global_batch_size=16",
-             "train.micro_batch_size=8", "train.steps=20"] if smoke else []
+             "train.micro_batch_size=8", "train.steps=20", "log.wandb.mode=disabled",
+             "log.report=false"] if smoke else []
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
            "--config", "configs/default.yaml", *TINY, *sizes, f"model.name={model}", f"run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -45,7 +45,8 @@ def main() -> None:
     per_class = 64
     if args.smoke:
         common = ["train.steps=4", "train.eval_every=0", "checkpoint.every=0", "train.log_every=2",
-                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32"]
+                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32",
+                  "log.wandb.mode=disabled", "log.report=false"]
         per_class = 8
     figures = {}
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as d:

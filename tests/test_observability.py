@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
+from tests.conftest import OBSERVED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
 from train import config, report
 from train import metrics as meter
 from train.config import ConfigError
@@ -99,7 +99,8 @@ def assert_no_progress(text: str, who: str) -> None:
 
 def test_offline_wandb_records_under_the_run_dir_and_a_resume_continues_the_same_run(tmp_path):
     run_dir = tmp_path / "run"
-    wb = ["log.wandb.project=obs-test", "log.wandb.tags=alpha, beta", "log.wandb.group=g1", "run.name=obs"]
+    wb = ["log.wandb.mode=offline", "log.wandb.project=obs-test", "log.wandb.tags=alpha, beta",
+          "log.wandb.group=g1", "run.name=obs"]
     # A key but no reachable server: the run warns once and records offline instead.
     env = obs_env(tmp_path, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="3")
     first = run_train(run_dir, *wb, "log.wandb.mode=online", "train.steps=3", env=env)
@@ -152,7 +153,7 @@ def test_online_without_an_api_key_is_one_line_and_exit_2(tmp_path):
 
 def test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile(tmp_path):
     run_dir = tmp_path / "run"
-    out = torchrun_per_rank(run_dir, tmp_path / "torchrun-logs", "profile.enabled=true", "profile.wait=1",
+    out = torchrun_per_rank(run_dir, tmp_path / "torchrun-logs", *OBSERVED, "profile.enabled=true", "profile.wait=1",
                             "profile.warmup=1", "profile.active=2", env=obs_env(tmp_path))  # W&B offline
     (out0, _), (out1, err1) = out[0], out[1]
     # Off a terminal rank 0 prints plain lines, one per log step; rank 1 prints nothing but warnings.
@@ -215,8 +216,7 @@ def test_a_slow_rank_is_named_once_and_other_ranks_print_no_progress_even_when_f
     (inject / "sitecustomize.py").write_text(SLOW_RANK_1)
     env = obs_env(tmp_path, PYTHONPATH=f"{inject}{os.pathsep}{ROOT}")
     run_dir = tmp_path / "run"
-    out = torchrun_per_rank(run_dir, tmp_path / "torchrun-logs", "log.wandb.mode=disabled", "log.report=false",
-                            "log.progress_bar=always", env=env)
+    out = torchrun_per_rank(run_dir, tmp_path / "torchrun-logs", "log.progress_bar=always", env=env)
     (out0, err0), (out1, err1) = out[0], out[1]
     train = [m for m in metrics(run_dir) if "loss" in m][1:]  # the first window is start-up
     assert Counter(m["slowest_rank"] for m in train).most_common(1)[0][0] == 1, train
@@ -375,7 +375,7 @@ def test_flops_per_sample_counts_forward_and_backward_on_the_meta_device():
 
 def test_a_terminal_of_unknown_size_still_shows_the_bar(tmp_path):
     """`script`, or `docker run -t` before the size arrives: 0 x 0, where tqdm would draw nothing."""
-    code, out = run_in_terminal(train_cmd(tmp_path, "log.wandb.mode=disabled", "log.report=false", "train.steps=2"),
+    code, out = run_in_terminal(train_cmd(tmp_path, "train.steps=2"),
                                 obs_env(tmp_path, TERM="xterm"), rows=0, cols=0)
     assert code == 0, out[-3000:]
     assert re.search(r"2/2 \[.*loss [\d.]+, [\d.]+ samples/s", out), out[-3000:]

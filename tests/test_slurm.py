@@ -26,8 +26,8 @@ CLUSTER = ROOT / "slurm" / "local-cluster.sh"
 NEEDED = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged")
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-# 16 steps (one epoch), W&B and the report off: a few seconds per run; the same for every run compared.
-OVR = [*TINY, "train.steps=16", "log.wandb.mode=disabled", "log.report=false", "dist.timeout_s=60"]
+# 16 steps (one epoch): a few seconds per run; the same for every run compared.
+OVR = [*TINY, "train.steps=16", "dist.timeout_s=60"]
 
 
 def _nodes_idle() -> int:

@@ -287,11 +287,24 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     tail: list[str] = []
 
     def pump():
+        held: list[str] = []  # a traceback after a stop, kept back until its last line says what it is
         for line in proc.stderr:
-            sys.stderr.write(line)
-            sys.stderr.flush()
             tail.append(line)
             del tail[:-400]
+            if stop and not held and line.startswith("Traceback (most recent call last):"):
+                held.append(line)
+                continue
+            if held:
+                held.append(line)
+                if line[:1] in (" ", ""):
+                    continue
+                # torchrun's own SignalException is how it acknowledges the stop, not news; anything else is
+                lines, held[:] = ([] if "SignalException" in line else list(held)), []
+            else:
+                lines = [line]
+            sys.stderr.writelines(lines)
+            sys.stderr.flush()
+        sys.stderr.writelines(held)
 
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
