@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# Smoke runs: W&B start-up and the end-of-run report are not what any benchmark measures.
+SMOKE_QUIET = ["log.wandb.mode=disabled", "log.report=false"]
 
 
 def env(**extra: str) -> dict:

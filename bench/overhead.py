@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _util import PY, run, torchrun, train_records, write_json
+from _util import PY, SMOKE_QUIET, run, torchrun, train_records, write_json
 
 
 def per_step(times: list[tuple[int, float]], first: int) -> float:
@@ -38,7 +38,7 @@ def main() -> None:
     if args.smoke:
         common = ["train.steps=6", "train.eval_every=0", "checkpoint.every=0", "data.num_workers=0",
                   "data.image_size=16", "data.train_samples=256", "data.eval_samples=32", "train.log_every=2",
-                  "log.wandb.mode=disabled", "log.report=false"]
+                  *SMOKE_QUIET]
         args.rounds, first = 1, 2
     ours_t, bare_t, equal = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as d:

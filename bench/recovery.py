@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import ROOT, write_json
+from _util import ROOT, SMOKE_QUIET, write_json
 
 TINY = ["data.image_size=32", "data.train_samples=1024", "data.eval_samples=64", "data.num_workers=0",
         "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1", "train.eval_every=0",
@@ -64,8 +64,7 @@ def glog_time(line: str) -> float:
 
 def once(run_dir: Path, nproc: int, model: str, smoke: bool) -> dict[str, float]:
     sizes = ["data.image_size=16", "data.train_samples=256", "train.global_batch_size=16",
-             "train.micro_batch_size=8", "train.steps=20", "log.wandb.mode=disabled",
-             "log.report=false"] if smoke else []
+             "train.micro_batch_size=8", "train.steps=20", *SMOKE_QUIET] if smoke else []
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
            "--config", "configs/default.yaml", *TINY, *sizes, f"model.name={model}", f"run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

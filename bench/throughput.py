@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from _util import run, torchrun, train_records, write_json
+from _util import SMOKE_QUIET, run, torchrun, train_records, write_json
 from PIL import Image
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     if args.smoke:
         common = ["train.steps=4", "train.eval_every=0", "checkpoint.every=0", "train.log_every=2",
                   "data.image_size=16", "data.train_samples=256", "data.eval_samples=32",
-                  "log.wandb.mode=disabled", "log.report=false"]
+                  *SMOKE_QUIET]
         per_class = 8
     figures = {}
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as d:

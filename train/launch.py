@@ -296,10 +296,10 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
                 continue
             if held:
                 held.append(line)
-                if line[:1] in (" ", ""):
+                if line.startswith(" "):
                     continue
                 # torchrun's own SignalException is how it acknowledges the stop, not news; anything else is
-                lines, held[:] = ([] if "SignalException" in line else list(held)), []
+                lines, held = ([] if "SignalException" in line else held), []
             else:
                 lines = [line]
             sys.stderr.writelines(lines)
