@@ -45,4 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "train.distributed" in sys.modules:  # a process group existed: see exit_process() for why not sys.exit
+        sys.modules["train.distributed"].exit_process(code)
+    sys.exit(code)

@@ -34,6 +34,7 @@ from train.config import Config, ConfigError, to_dict
 FORMAT = 1
 NAME = re.compile(r"^step_(\d{8})\.pt$")
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
+STOP_SIGNALS = ("SIGTERM", "SIGINT")  # always a stop (torchrun, Kubernetes, SLURM, Ctrl-C); plus checkpoint.signal
 
 
 # ---------------------------------------------------------------- files
@@ -208,6 +209,17 @@ def _model_mismatch(expected: dict, got: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def check_fresh_start(cfg: Config) -> None:
+    """resume=never starts afresh, which must not overwrite an earlier run's checkpoints and metrics."""
+    if cfg.resume != "never":
+        return
+    found = [p.name for p in (cfg.run_dir / "checkpoints", cfg.run_dir / "metrics.jsonl", cfg.run_dir / "summary.json")
+             if p.exists() and (p.is_file() or any(p.iterdir()))]
+    if found:
+        raise ConfigError(f"resume=never but {cfg.run_dir} already holds a run ({', '.join(found)}): choose a new "
+                          f"run.name or run.dir for the fresh start, or resume=auto to continue it")
+
+
 # ---------------------------------------------------------------- the manager
 
 class Checkpointer:
@@ -216,22 +228,27 @@ class Checkpointer:
         self.dir = cfg.run_dir / "checkpoints"
         self.stop_signal: str | None = None  # the signal this rank received, if any
         self.stopping = False  # all ranks agreed to stop: the next save is the last
+        self.saved_step: int | None = None  # the step of the last save started in this process
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
     # ---- stop requests
     def install_signal_handler(self) -> None:
-        """SIGTERM (what torchrun, Kubernetes and SLURM send) and checkpoint.signal request a stop."""
+        """SIGTERM (what torchrun, Kubernetes and SLURM send), SIGINT (Ctrl-C) and checkpoint.signal
+        request a stop. A second signal changes nothing: the save it asked for is already coming."""
 
-        def request_stop(signum, frame):  # only sets a flag: the loop stops at the next step boundary
-            self.stop_signal = signal.Signals(signum).name
+        def request_stop(signum, frame):  # only sets a flag: the ranks agree at the next step or eval batch
+            self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
-        for name in {"SIGTERM", self.cfg.checkpoint.signal}:
+        for name in {*STOP_SIGNALS, self.cfg.checkpoint.signal}:
             signal.signal(getattr(signal, name), request_stop)
 
     def stop_agreed(self, device: torch.device) -> bool:
-        """All ranks agree to stop if any got the signal (an all-reduce, so nobody waits alone)."""
+        """All ranks agree to stop if any got the signal (an all-reduce, so nobody waits alone): a signal
+        that reached one rank (one node's kubelet, one srun task) stops them all at the same step."""
+        if self.stopping:
+            return True
         flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stopping = bool(flag.item())
@@ -248,12 +265,13 @@ class Checkpointer:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def save(self, parts, blocking: bool = False) -> None:
-        """Called on every rank (the RNG states are gathered); rank 0 writes."""
-        rngs = [None] * self.world_size
-        dist.all_gather_object(rngs, _rng_state(parts.device))
+        """Called on every rank (each rank's RNG states and loss window are gathered); rank 0 writes."""
+        self.saved_step = parts.step
+        mine = {"rng": _rng_state(parts.device),
+                "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
+        ranks = [None] * self.world_size
+        dist.all_gather_object(ranks, mine)
         if self.rank != 0:
-            if self.stopping:  # the last save: nobody exits before rank 0 has written it
-                dist.barrier()
             return
         self.wait()  # the next save waits for the previous one
         state = {
@@ -263,7 +281,9 @@ class Checkpointer:
             "scaler": parts.scaler.state_dict(),
             "step": parts.step,
             "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
-            "rng": rngs,
+            "rng": [r["rng"] for r in ranks],
+            "window": [r["window"] for r in ranks],  # the loss of each rank since the last log step
+            "eval_pending": parts.eval_pending,
             "world_size": self.world_size,
             "config": to_dict(self.cfg),
             "tracker": {"run_id": self.tracker_id},
@@ -275,9 +295,16 @@ class Checkpointer:
         else:
             self._write(state, parts.step)
             self._raise_pending_error()
-            if self.stopping:
-                self._mark_stopped(parts.step)
-                dist.barrier()
+
+    def save_and_stop(self, parts) -> None:
+        """The last save of a stopped run: blocking (a save of this step already started is waited for),
+        then the STOPPED marker for the launcher; no rank exits before rank 0 has written both."""
+        if self.saved_step != parts.step:
+            self.save(parts, blocking=True)
+        if self.rank == 0:
+            self.wait()
+            self._mark_stopped(parts.step)
+        dist.barrier()
 
     def _write(self, state: dict, step: int) -> None:
         try:
@@ -351,12 +378,22 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {path} does not match model.name={self.cfg.model.name}: {problem}")
         parts.raw.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])
-        parts.scaler.load_state_dict(state["scaler"])
+        if parts.scaler.is_enabled() and not state["scaler"]:
+            was = state.get("config", {}).get("train", {}).get("precision", "fp32/bf16")
+            self.log.warning(f"checkpoint {path} was trained in {was} (no loss scaler): train.precision=fp16 "
+                             f"starts a fresh GradScaler (scale {parts.scaler.get_scale():g})")
+        else:
+            parts.scaler.load_state_dict(state["scaler"])  # a disabled scaler (fp32, bf16) ignores it
         parts.step = int(state["step"])
+        parts.eval_pending = bool(state.get("eval_pending", False))
         parts.stream.load_state_dict(state["data"])
         self.tracker_id = state.get("tracker", {}).get("run_id")
         if state["world_size"] == self.world_size:
             _set_rng_state(state["rng"][self.rank], parts.device)
+            if "window" in state:  # this rank's loss sum since the last log step, bit for bit
+                window = state["window"][self.rank]
+                parts.window_loss.fill_(window["loss"])
+                parts.window_steps = int(window["steps"])
         else:
             seen = state["step"] * self.cfg.train.global_batch_size
             self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "

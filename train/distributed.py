@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -137,10 +138,39 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    # Free the process group now, not at interpreter exit: a gloo worker thread that drops the last
-    # reference to a tensor while Python is finalizing aborts the process ("terminate called without
-    # an active exception") after a run that succeeded.
-    gc.collect()
+
+
+def exit_process(code: int) -> None:
+    """End a worker process without Python's interpreter finalization.
+
+    DDP keeps its gloo process group alive after destroy_process_group() (its worker threads are still
+    running when the program ends: measured, and not with plain collectives), and such a thread may
+    be the one that frees the last collective's tensors. If that happens while Python finalizes,
+    taking the GIL ends the thread with pthread_exit, whose unwinding through torch's C++ destructors
+    calls std::terminate: "terminate called without an active exception", SIGABRT, after a run that
+    succeeded (core dump: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject ->
+    take_gil -> PyThread_exit_thread, while the main thread is in Py_FinalizeEx). Everything is
+    written and closed by now; what is left (loader workers) is freed first, the streams flushed."""
+    gc.collect()  # DataLoader iterators shut their worker processes down in their finalizers
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def sync_buffers(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics), as DDP does at the start of a forward."""
+    if dist.get_world_size() > 1:
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -194,4 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "train.distributed" in sys.modules:  # see train.distributed.exit_process()
+        sys.modules["train.distributed"].exit_process(code)
+    sys.exit(code)

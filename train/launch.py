@@ -8,14 +8,18 @@ than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob'
 hosts the c10d rendezvous.
 
 The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
-Stop signals (TERM, INT, USR1, USR2, HUP) are passed to torchrun as SIGTERM, which it passes on to
-the workers; they checkpoint and the launcher exits 75 ("requeue me"). When torchrun fails, the
-launcher ends with one line saying why and what to try.
+Stop signals (TERM, INT, USR1, USR2, HUP) are passed to torchrun once, as SIGTERM, which it passes on
+to the workers; they checkpoint and the launcher exits 75 ("requeue me") if, and only if, a checkpoint
+written after the stop exists. The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
+the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
+them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
+When torchrun fails, the launcher ends with one line saying why and what to try.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -47,6 +51,8 @@ OPTIONS = {
     "rdzv_id": (("RDZV_ID", "PET_RDZV_ID"), "train"),
     "rdzv_conf": (("RDZV_CONF", "PET_RDZV_CONF"), ""),
     "max_restarts": (("MAX_RESTARTS", "PET_MAX_RESTARTS"), "0"),
+    # torchrun's --shutdown-timeout: it reads PET_SHUTDOWN_TIMEOUT and TORCH_ELASTIC_SHUTDOWN_TIMEOUT too
+    "stop_timeout": (("STOP_TIMEOUT", "PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "30"),
 }
 
 # What torchrun's output says, and what to tell the user (first match wins).
@@ -76,6 +82,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-id", help="job id shared by all nodes; keep it across restarts")
     p.add_argument("--rdzv-conf", help="extra rendezvous settings, e.g. join_timeout=600,last_call_timeout=30")
     p.add_argument("--max-restarts", help="times torchrun restarts the workers after a failure")
+    p.add_argument("--stop-timeout", help="stop budget, seconds: after a stop signal the workers finish their "
+                   "step and save within it, or are killed (default 30; keep it below the scheduler's grace "
+                   "period)")
     p.add_argument("--doctor", action="store_true", default=None,
                    help="run the preflight doctor on the same world first (also LAUNCH_DOCTOR=1)")
     p.add_argument("--debug", action="store_true", default=None,
@@ -122,8 +131,11 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {nnodes!r}")
     if not str(opts["max_restarts"]).isdigit():
         raise ConfigError(f"--max-restarts must be a number >= 0, got {opts['max_restarts']!r}")
+    if not str(opts["stop_timeout"]).isdigit() or int(opts["stop_timeout"]) < 1:
+        raise ConfigError(f"--stop-timeout (STOP_TIMEOUT) must be a whole number of seconds >= 1, "
+                          f"got {opts['stop_timeout']!r}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-           f"--max-restarts={opts['max_restarts']}"]
+           f"--max-restarts={opts['max_restarts']}", f"--shutdown-timeout={opts['stop_timeout']}"]
     endpoint = opts["rdzv_endpoint"]
     if endpoint:
         host, _, port = endpoint.rpartition(":")
@@ -196,12 +208,24 @@ def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
                    f"port, or stop what holds it (ss -ltnp 'sport = :{port}')")
 
 
+CLOCK_SLACK_S = 2.0  # the marker may be written by another node, whose clock may be a little behind
+
+
 def _stopped_since(run_dir: Path, since: float) -> bool:
-    """Whether the workers checkpointed on a stop signal during this launch (checkpoint.py's marker)."""
+    """Whether the workers wrote a checkpoint on a stop since `since` (checkpoint.py's STOPPED marker,
+    written after the save is complete)."""
     marker = run_dir / "STOPPED"
     try:
-        return json.loads(marker.read_text())["time"] >= since
+        return json.loads(marker.read_text())["time"] >= since - CLOCK_SLACK_S
     except (OSError, ValueError, KeyError):
+        return False
+
+
+def _finished_since(run_dir: Path, since: float) -> bool:
+    """Whether the run completed (summary.json written) since `since`."""
+    try:
+        return (run_dir / "summary.json").stat().st_mtime >= since - CLOCK_SLACK_S
+    except OSError:
         return False
 
 
@@ -274,11 +298,39 @@ def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, 
     return out
 
 
+def _children(pid: int) -> set[int]:
+    """The child processes of pid (torchrun's workers), from /proc; empty where it cannot be read."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_for(pids: set[int], deadline: float) -> set[int]:
+    """Wait until these processes have ended or the deadline passed; returns those still running."""
+    while (left := {p for p in pids if _alive(p)}) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None,
          debug: bool = False) -> int:
-    """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped, requeue) or 1 (one line)."""
+    """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped after a checkpoint, requeue)
+    or 1 (one line)."""
 
-    started, stop = time.time(), []
+    started, stop, workers = time.time(), [], set()  # stop: (signal, time) received; workers: their pids
+    budget = int(opts["stop_timeout"])
     env = worker_env(os.environ, cfg.run_dir, debug)
     if debug:
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -309,21 +361,40 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
 
-    def forward(signum, frame):  # torchrun passes SIGTERM on to the workers, which save and stop
-        stop.append(signum)
-        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+    def forward(signum, frame):
+        workers.update(_children(proc.pid))  # known now, in case torchrun ends before they do
+        if not stop:  # once: torchrun passes it on to the workers, which save and stop
+            proc.send_signal(signal.SIGTERM)
+        stop.append((signum, time.time()))
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     rc = proc.wait()
+    if stop:
+        # torchrun ends early when a second SIGTERM reaches it (SLURM signals every process of the step,
+        # and so does this launcher): the workers are still saving. Leaving now would let the scheduler
+        # kill them; wait for them within the stop budget, as torchrun would have.
+        left = _wait_for(workers, stop[0][1] + budget + 5)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     pumping.join(timeout=5)
     if rc == 0:
         return 0
-    if stop or _stopped_since(cfg.run_dir, started):
-        name = signal.Signals(stop[0]).name if stop else "a stop signal"
+    since = stop[0][1] if stop else started
+    if stop and _finished_since(cfg.run_dir, since):
+        print("launch: the run finished before the stop took effect (exit 0)", file=sys.stderr)
+        return 0
+    name = signal.Signals(stop[0][0]).name if stop else "a stop signal"
+    if _stopped_since(cfg.run_dir, since):
         print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})",
               file=sys.stderr)
         return EXIT_REQUEUE
+    if stop:
+        print(f"error: stopped on {name}, but no checkpoint was written within the stop budget (--stop-timeout="
+              f"{budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step plus one "
+              f"checkpoint save plus a margin), and the scheduler's grace period above it", file=sys.stderr)
+        return 1
     print(failure or f"error: {explain(''.join(tail), opts)}", file=sys.stderr)
     return 1
 

@@ -67,6 +67,7 @@ class RunLog:
         self.logger.addHandler(to_file)
         self.logger.addHandler(self.console)
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.last_train_loss = float("nan")  # rank 0: the last logged training loss (summary.json)
 
     def info(self, msg: str) -> None:
         self.logger.info(msg)
@@ -113,6 +114,7 @@ class RunLog:
         self._windows += 1
         if not self.is_main:
             return
+        self.last_train_loss = record["loss"]
         self.metrics(record)
         if self.tracker is not None:
             self.tracker.log(record)
@@ -193,8 +195,23 @@ class RunLog:
         """Drop records past `after_step`: a resumed run logs those steps again."""
         if self.is_main and self.metrics_path.exists():
             lines = self.metrics_path.read_text().splitlines()
-            kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= after_step]
-            self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [(ln, r) for ln in lines if ln.strip() and (r := json.loads(ln)).get("step", 0) <= after_step]
+            self.metrics_path.write_text("".join(ln + "\n" for ln, _ in kept))
+            self.last_train_loss = next((r["loss"] for _, r in reversed(kept) if "loss" in r), float("nan"))
+
+    def completed(self, step: int) -> bool:
+        """Whether this run directory holds a finished run at `step` (its summary.json), as rank 0 reads
+        it; every rank learns the verdict. A run stopped during its last step or its final evaluation
+        has no summary yet: the relaunch finishes it."""
+        verdict = [False]
+        if self.is_main:
+            try:
+                verdict = [json.loads((self.run_dir / "summary.json").read_text()).get("steps") == step]
+            except (OSError, ValueError):
+                pass
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(verdict, src=0)
+        return verdict[0]
 
     def run_info(self, cfg: Config, denv: DistEnv, device: torch.device) -> None:
         """Rank 0 records what ran: the resolved config, library versions, git commit, hardware."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import data, distributed, model, optim
-from train.checkpoint import EXIT_REQUEUE, Checkpointer
+from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
@@ -42,6 +42,10 @@ class Parts:
     eval_loader: torch.utils.data.DataLoader
     log: RunLog
     step: int = 0  # optimizer steps done
+    # Trainer counters that a checkpoint carries, so that a resumed run logs what an uninterrupted one does:
+    window_loss: torch.Tensor | None = None  # this rank's loss sum since the last log step (float32)
+    window_steps: int = 0  # steps in that sum
+    eval_pending: bool = False  # an evaluation was due at `step` but a stop came first: done after resume
 
 
 def autocast(parts: Parts):
@@ -50,19 +54,33 @@ def autocast(parts: Parts):
 
 
 @torch.no_grad()
-def evaluate(parts: Parts) -> tuple[float, float]:
-    """Loss and accuracy over the whole evaluation set: each rank takes a shard, sums are all-reduced."""
+def evaluate(parts: Parts, ckpt: Checkpointer) -> tuple[float, float] | None:
+    """Loss and accuracy over the whole evaluation set: each rank takes a shard, sums are all-reduced.
+
+    Returns None when a stop was agreed first: the ranks agree between batches, so a stop never waits
+    for a long evaluation (shards differ by a batch at most; every rank takes the same number of turns)."""
     model = parts.raw
+    # Every rank evaluates with rank 0's BatchNorm statistics, the ones a checkpoint holds (DDP would
+    # broadcast them at the next forward anyway): the result does not depend on the world size.
+    distributed.sync_buffers(model)
+    turns = int(distributed.all_reduce_max(len(parts.eval_loader), parts.device))
+    batches = iter(parts.eval_loader)
     model.eval()
     loss_sum = correct = count = 0.0
-    for x, y in parts.eval_loader:
-        x, y = _to_device(parts, x, y)
-        with autocast(parts):
-            logits = model(x)
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
-        count += len(y)
-    model.train()
+    try:
+        for _ in range(turns):
+            if ckpt.stop_agreed(parts.device):
+                return None
+            if (batch := next(batches, None)) is None:
+                continue
+            x, y = _to_device(parts, *batch)
+            with autocast(parts):
+                logits = model(x)
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
+            correct += (logits.argmax(1) == y).sum().item()
+            count += len(y)
+    finally:
+        model.train()
     loss_sum, correct, count = distributed.all_reduce_sum([loss_sum, correct, count], parts.device)
     return loss_sum / count, correct / count
 
@@ -99,55 +117,79 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
 
 
 def ranks_in_sync(parts: Parts) -> bool:
-    """Whether every rank holds bitwise the same parameters (DDP's promise; a cheap end-of-run check)."""
+    """Whether every rank holds bitwise the same parameters and buffers (BatchNorm statistics): DDP's
+    promise for the first, evaluate()'s for the second; a cheap end-of-run check."""
     h = hashlib.sha256()
-    for p in parts.raw.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for t in [*parts.raw.parameters(), *parts.raw.buffers()]:
+        h.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * parts.world_size
     torch.distributed.all_gather_object(digests, h.hexdigest())
     return len(set(digests)) == 1
 
 
 def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
-    """Train to cfg.train.steps, logging, evaluating and checkpointing on the way.
+    """Train to cfg.train.steps, logging, checkpointing and evaluating on the way.
 
     Returns the run's summary, or None when a stop signal ended it early (after a checkpoint)."""
     cfg, log = parts.cfg, parts.log
     accum = cfg.accum_steps(parts.world_size)
     batches = iter(parts.stream)
     start_step, t_start = parts.step, time.perf_counter()
-    window_loss = torch.zeros((), device=parts.device)
-    train_loss = eval_loss = eval_acc = float("nan")
+    eval_loss = eval_acc = float("nan")
     parts.raw.train()
     meter.start()
     while parts.step < cfg.train.steps:
-        window_loss += train_step(parts, batches, accum, meter)
+        if parts.eval_pending and _evaluate_and_log(parts, ckpt, meter) is None:
+            return _stop(parts, ckpt)  # the evaluation a stop pre-empted, run before the next step
+        parts.window_loss += train_step(parts, batches, accum, meter)
+        parts.window_steps += 1
         meter.step_done()
         step = parts.step
         log.advance(step)
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            loss_sum, n = distributed.all_reduce_sum([window_loss.item(), meter.steps], parts.device)
-            train_loss = loss_sum / n
-            log.train({"step": step, "epoch": parts.stream.epoch, "loss": train_loss,
+            # The window may have begun before a resume: its sum and length come from the checkpoint.
+            loss_sum, n = distributed.all_reduce_sum([parts.window_loss.item(), parts.window_steps], parts.device)
+            log.train({"step": step, "epoch": parts.stream.epoch, "loss": loss_sum / n,
                        "lr": parts.optimizer.param_groups[0]["lr"]} | meter.window())
-            window_loss.zero_()
-        if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
+            parts.window_loss.zero_()
+            parts.window_steps = 0
+        parts.eval_pending = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        # The stop is agreed before any evaluation, so that it never waits for one.
+        if ckpt.stop_agreed(parts.device):
+            return _stop(parts, ckpt)
+        if ckpt.due(step):
             with meter.paused():
-                eval_loss, eval_acc = evaluate(parts)
-            log.eval({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_acc})
-        stop = ckpt.stop_agreed(parts.device)
-        if stop or ckpt.due(step):
-            with meter.paused():
-                ckpt.save(parts, blocking=stop)
-        if stop:
-            log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {step}, checkpoint saved")
-            return None
+                ckpt.save(parts)
+        if parts.eval_pending and step < cfg.train.steps:
+            if _evaluate_and_log(parts, ckpt, meter) is None:
+                return _stop(parts, ckpt)
+    # The end (also reached by a relaunch whose last checkpoint is the final step): the final evaluation.
+    parts.eval_pending = True
+    if (result := _evaluate_and_log(parts, ckpt, meter)) is None:
+        return _stop(parts, ckpt)
+    eval_loss, eval_acc = result
     wall = time.perf_counter() - t_start
-    return {"steps": parts.step, "world_size": parts.world_size, "train_loss": train_loss,
+    return {"steps": parts.step, "world_size": parts.world_size, "train_loss": log.last_train_loss,
             "eval_loss": eval_loss, "eval_accuracy": eval_acc,
             "samples_per_s": (parts.step - start_step) * cfg.train.global_batch_size / max(wall, 1e-9),
             "wall_s": wall, "ranks_in_sync": ranks_in_sync(parts),
             "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
+
+
+def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> tuple[float, float] | None:
+    with meter.paused():
+        result = evaluate(parts, ckpt)
+    if result is not None:
+        parts.eval_pending = False
+        parts.log.eval({"step": parts.step, "eval_loss": result[0], "eval_accuracy": result[1]})
+    return result
+
+
+def _stop(parts: Parts, ckpt: Checkpointer) -> None:
+    ckpt.save_and_stop(parts)  # blocking; every rank waits for it
+    parts.log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {parts.step}, checkpoint saved"
+                   + (" (its evaluation runs after the resume)" if parts.eval_pending else ""))
+    return None
 
 
 def configure_torch(cfg: Config) -> None:
@@ -165,6 +207,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     stream, eval_loader, num_classes = data.loaders(cfg, denv.rank, denv.world_size, device.type == "cuda")
     if cfg.model.sync_bn and device.type != "cuda":
         raise ConfigError("model.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use model.norm=group")
+    check_fresh_start(cfg)  # resume=never never overwrites an earlier run
     log = RunLog(cfg.run_dir, denv, cfg)  # only now: a config or data error leaves nothing behind
     raw = model.build(cfg.model, num_classes, cfg.data.image_size).to(device)
     if cfg.train.channels_last:
@@ -176,7 +219,8 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     return Parts(cfg=cfg, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
-                 stream=stream, eval_loader=eval_loader, log=log)
+                 stream=stream, eval_loader=eval_loader, log=log,
+                 window_loss=torch.zeros((), device=device))
 
 
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
@@ -195,7 +239,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         if resumed:
             log.truncate_metrics(parts.step)
         log.run_info(cfg, denv, device)
-        if parts.step >= cfg.train.steps:
+        if parts.step >= cfg.train.steps and log.completed(parts.step):
             log.info(f"run {cfg.run_dir} is already complete at step {parts.step}; nothing to do")
             return 0
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "

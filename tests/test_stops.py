@@ -1,0 +1,292 @@
+"""Stops: every stop signal costs at most the steps since it arrived, and the exit code tells the truth.
+
+Real launcher, torchrun and gloo workers, real signals (also SIGSTOP to make a stop slow), real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import OBSERVED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+
+SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]  # stops land inside log windows of 5 steps
+SLOW_EVAL = ["data.image_size=32", "data.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
+
+
+def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",)) -> subprocess.Popen:
+    cmd = [PY, "-m", "train.launch", *launcher, "--", "--config", "configs/default.yaml", *TINY,
+           f"run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            _kill_family(proc.pid)
+    return proc.returncode, out, err
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def workers(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the training processes under a launcher (launcher -> torchrun -> workers)."""
+    found = {}
+    for agent in children(launcher_pid):
+        for pid in children(agent):
+            try:
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode()
+                           .split("\0") if "=" in kv)
+            except OSError:
+                continue
+            if "RANK" in env:
+                found[int(env["RANK"])] = pid
+    return found
+
+
+def _kill_family(pid: int) -> None:
+    todo, family = [pid], []
+    while todo:
+        p = todo.pop()
+        family.append(p)
+        todo += children(p)
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps of the training-loss lines of metrics.jsonl, in file order, duplicates kept."""
+    path = run_dir / "metrics.jsonl"
+    return [m["step"] for m in metrics(run_dir) if "loss" in m] if path.exists() else []
+
+
+def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in metrics(run_dir) if "loss" in m]
+
+
+def eval_steps(run_dir: Path) -> list[int]:
+    return [m["step"] for m in metrics(run_dir) if "eval_loss" in m]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for part in ("model",):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"{part}.{k} differs"
+    for i, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run the segmented one must equal."""
+    ref = tmp_path_factory.mktemp("reference")
+    rc, out, err = finish(launch(ref, *SEGMENTED))
+    assert rc == 0, err[-3000:]
+    return ref
+
+
+def test_five_stop_signals_five_segments_one_run_bitwise_equal_to_uninterrupted(tmp_path, reference):
+    """TERM, INT (Ctrl-C), HUP, USR1 and USR2 to the launcher in turn: each a checkpoint and exit 75, the
+    relaunches continue, and the end equals the uninterrupted run: weights, optimizer, every loss line."""
+    stops = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        proc = launch(tmp_path, *SEGMENTED)
+        before = max(stops, default=0)
+        wait_for(lambda b=before, p=proc: p.poll() is not None or any(s > b for s in logged_steps(tmp_path)),
+                 120, f"a step after {before}")
+        proc.send_signal(sig)
+        rc, out, err = finish(proc)
+        assert rc == 75, f"{sig.name}: exit {rc}\n{err[-3000:]}"
+        assert f"launch: stopped on {sig.name}" in err and "Traceback" not in err, err[-3000:]
+        marker = json.loads((tmp_path / "STOPPED").read_text())
+        assert marker["step"] == latest_state(tmp_path)["step"] > before
+        stops.append(marker["step"])
+    assert stops[-1] < 40, stops
+    assert any(s % 5 for s in stops), f"no stop landed inside a log window: {stops}"
+    rc, out, err = finish(launch(tmp_path, *SEGMENTED))
+    assert rc == 0, err[-3000:]
+    assert_same_state(latest_state(reference), latest_state(tmp_path))
+    assert logged_steps(tmp_path) == list(range(5, 41, 5))  # every loss line once, in order
+    assert loss_lines(tmp_path) == loss_lines(reference)  # the same window averages, bit for bit
+    assert summary(tmp_path)["steps"] == 40 and summary(tmp_path)["ranks_in_sync"]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_one_save(tmp_path):
+    proc = launch(tmp_path, "train.steps=200")
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 3, 120, "step 3")
+    ranks = workers(proc.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGTERM)  # rank 1 alone: one node's kubelet, one srun task
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    logs = {r: (tmp_path / "logs" / f"rank{r}.log").read_text() for r in (0, 1)}
+    steps = {r: re.findall(r"stopped on (\S+(?: a peer rank signal)?).*? at step (\d+)", logs[r]) for r in (0, 1)}
+    assert steps[1][0][0] == "SIGTERM" and "peer rank signal" in logs[0], steps
+    stopped = int(re.search(r"at step (\d+), checkpoint saved", logs[0]).group(1))
+    assert stopped == int(re.search(r"at step (\d+), checkpoint saved", logs[1]).group(1))
+    assert latest_state(tmp_path)["step"] == stopped
+    assert len(re.findall(r"INFO saved ", logs[0])) == 1  # one save, by rank 0
+    rc, out, err = finish(launch(tmp_path, "train.steps=" + str(stopped + 2)))
+    assert rc == 0 and logged_steps(tmp_path) == list(range(1, stopped + 3)), err[-2000:]
+
+
+def test_a_stop_during_a_slow_evaluation_does_not_wait_for_it(tmp_path):
+    """The ranks agree between evaluation batches: the stop is done long before the evaluation would be
+    (a 10 s budget against an evaluation of about 30 s), and the resumed run evaluates that step first."""
+    proc = launch(tmp_path, *SLOW_EVAL, "train.steps=4", "train.eval_every=2", launcher=("--nproc-per-node=2",
+                                                                                          "--stop-timeout=10"))
+    wait_for(lambda: 2 in logged_steps(tmp_path), 120, "step 2, then its evaluation")
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    assert latest_state(tmp_path)["step"] == 2 and eval_steps(tmp_path) == []
+    assert "stopped on SIGTERM at step 2, checkpoint saved (its evaluation runs after the resume)" in out
+    # The relaunch evaluates step 2 before training on (a smaller evaluation set keeps this test short).
+    rc, out, err = finish(launch(tmp_path, "data.image_size=32", "train.steps=4", "train.eval_every=2"))
+    assert rc == 0, err[-3000:]
+    assert eval_steps(tmp_path) == [2, 4] and logged_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_a_stop_at_the_last_step_is_finished_by_the_relaunch(tmp_path):
+    """Stopped after the last step, in the final evaluation: a checkpoint and 75, no summary; the relaunch
+    evaluates and finishes the run (summary.json, report, W&B), rather than calling it complete."""
+    proc = launch(tmp_path, *SLOW_EVAL, *OBSERVED, "train.steps=3", launcher=("--nproc-per-node=2",
+                                                                            "--stop-timeout=10"))
+    wait_for(lambda: 3 in logged_steps(tmp_path), 120, "the last step")
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    assert latest_state(tmp_path)["step"] == 3 and not (tmp_path / "summary.json").exists()
+    rc, out, err = finish(launch(tmp_path, "data.image_size=32", *OBSERVED, "train.steps=3"))
+    assert rc == 0, err[-3000:]
+    assert "already complete" not in out and "done: 3 steps" in out
+    s = summary(tmp_path)
+    assert s["steps"] == 3 and s["wandb_run_id"] and (tmp_path / "report.png").stat().st_size > 0
+    assert eval_steps(tmp_path) == [3] and logged_steps(tmp_path) == [1, 2, 3]
+    rc, out, err = finish(launch(tmp_path, "data.image_size=32", "train.steps=3"))
+    assert rc == 0 and "already complete at step 3" in out
+
+
+def _stop_slowly(run_dir: Path, launcher: tuple, frozen_s: float, also_torchrun: bool = False):
+    """Stop a run whose workers need `frozen_s` seconds (SIGSTOPped) before they can act on it; when the
+    launcher exits, kill whatever is left of the job, as a scheduler does at the end of a job step."""
+    proc = launch(run_dir, "train.steps=500", launcher=launcher)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
+    ranks = workers(proc.pid)
+    agent = children(proc.pid)[0]
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGSTOP)
+    t = time.time()
+    proc.send_signal(signal.SIGTERM)
+    if also_torchrun:
+        time.sleep(0.5)
+        os.kill(agent, signal.SIGTERM)  # SLURM signals every process of the step
+    while time.time() < t + frozen_s and proc.poll() is None:
+        time.sleep(0.1)
+    for pid in ranks.values():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    rc, out, err = finish(proc)
+    for pid in ranks.values():  # the scheduler ends the step with the launcher
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return rc, out, err, time.time() - t
+
+
+def test_a_stop_slower_than_30_s_completes_inside_a_larger_budget(tmp_path):
+    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=90"), frozen_s=35)
+    assert rc == 75 and took > 35, err[-3000:]
+    assert json.loads((tmp_path / "STOPPED").read_text())["step"] == latest_state(tmp_path)["step"] >= 2
+
+
+def test_a_budget_too_short_is_exit_1_with_the_setting_to_raise(tmp_path):
+    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=3"), frozen_s=12)
+    assert rc == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: stopped on SIGTERM, but no checkpoint was written within the stop budget "
+                           "(--stop-timeout=3 s)") and "raise STOP_TIMEOUT" in last, last
+    assert not (tmp_path / "STOPPED").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_second_sigterm_to_torchrun_does_not_lose_the_save(tmp_path):
+    """SLURM's SIGTERM reaches torchrun besides the launcher's: torchrun gives up waiting, the launcher
+    does not leave before the workers have saved (what is left is killed when it exits)."""
+    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=60"), frozen_s=6,
+                                      also_torchrun=True)
+    assert rc == 75, err[-3000:]
+    assert json.loads((tmp_path / "STOPPED").read_text())["step"] == latest_state(tmp_path)["step"] >= 2
+
+
+# ---------------------------------------------------------------- resume correctness
+
+@pytest.mark.parametrize("first", ["fp32", "bf16"])
+def test_resuming_with_fp16_starts_a_fresh_loss_scaler(tmp_path, first):
+    run_train(tmp_path, f"train.precision={first}", "train.steps=3")
+    proc = run_train(tmp_path, "train.precision=fp16", "train.steps=5")
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text and "starts a fresh GradScaler" in text
+    assert summary(tmp_path)["steps"] == 5 and latest_state(tmp_path)["scaler"]["scale"] > 0
+    proc = run_train(tmp_path, "train.precision=fp32", "train.steps=6")  # and back: the scaler is not needed
+    assert "Traceback" not in proc.stderr and summary(tmp_path)["steps"] == 6
+
+
+def test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing(tmp_path):
+    run_train(tmp_path, "checkpoint.every=3")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = run_train(tmp_path, "resume=never", expect=2)
+    assert proc.stderr.count("\n") == 1 and "resume=never" in proc.stderr and "run.name or run.dir" in proc.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    run_train(tmp_path / "fresh", "resume=never")  # an empty place is fine
+    assert logged_steps(tmp_path / "fresh") == [1, 2, 3, 4, 5, 6]
+
+
+def test_evaluation_uses_the_saved_batchnorm_statistics_on_every_rank(tmp_path):
+    """Two ranks evaluate with rank 0's BatchNorm statistics, the ones saved: the result equals one
+    process evaluating the saved checkpoint, and the end-of-run check covers the buffers."""
+    run_train(tmp_path, "train.steps=6", nproc=2)
+    two = summary(tmp_path)
+    assert two["ranks_in_sync"]
+    (tmp_path / "summary.json").unlink()  # the relaunch finishes the run again: one process evaluates
+    proc = run_train(tmp_path, "train.steps=6")
+    one = summary(tmp_path)
+    assert "done: 6 steps" in proc.stdout and one["world_size"] == 1
+    assert one["eval_accuracy"] == two["eval_accuracy"]
+    assert one["eval_loss"] == pytest.approx(two["eval_loss"], rel=1e-6)
