@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OBSERVED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+from tests.conftest import OBSERVED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_cmd
 
 SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]  # stops land inside log windows of 5 steps
 SLOW_EVAL = ["data.image_size=32", "data.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
@@ -143,6 +143,18 @@ def test_five_stop_signals_five_segments_one_run_bitwise_equal_to_uninterrupted(
     assert summary(tmp_path)["steps"] == 40 and summary(tmp_path)["ranks_in_sync"]
 
 
+def test_ctrl_c_to_python_m_train_saves_and_exits_75(tmp_path):
+    """SIGINT straight to a worker (Ctrl-C in `python -m train`, or a terminal's Ctrl-C passed on by
+    torchrun) is a stop like SIGTERM, not a KeyboardInterrupt."""
+    proc = subprocess.Popen(train_cmd(tmp_path, "train.steps=200"), cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
+    proc.send_signal(signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 75 and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "stopped on SIGINT" in out and latest_state(tmp_path)["step"] >= 2
+
+
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_one_save(tmp_path):
     proc = launch(tmp_path, "train.steps=200")
     wait_for(lambda: len(logged_steps(tmp_path)) >= 3, 120, "step 3")
@@ -212,9 +224,10 @@ def _stop_slowly(run_dir: Path, launcher: tuple, frozen_s: float, also_torchrun:
         os.kill(pid, signal.SIGSTOP)
     t = time.time()
     proc.send_signal(signal.SIGTERM)
-    if also_torchrun:
-        time.sleep(0.5)
-        os.kill(agent, signal.SIGTERM)  # SLURM signals every process of the step
+    if also_torchrun:  # SLURM signals every process of the step, and a second scancel or a kill does again
+        for _ in range(2):
+            time.sleep(0.5)
+            os.kill(agent, signal.SIGTERM)
     while time.time() < t + frozen_s and proc.poll() is None:
         time.sleep(0.1)
     for pid in ranks.values():
@@ -246,10 +259,11 @@ def test_a_budget_too_short_is_exit_1_with_the_setting_to_raise(tmp_path):
     assert not (tmp_path / "STOPPED").exists() and not (tmp_path / "checkpoints").exists()
 
 
-def test_a_second_sigterm_to_torchrun_does_not_lose_the_save(tmp_path):
-    """SLURM's SIGTERM reaches torchrun besides the launcher's: torchrun gives up waiting, the launcher
-    does not leave before the workers have saved (what is left is killed when it exits)."""
-    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=60"), frozen_s=6,
+def test_more_sigterms_to_torchrun_do_not_lose_the_save(tmp_path):
+    """SLURM's SIGTERMs reach torchrun besides the launcher's: torch 2.14's torchrun survives a second one
+    (its shutdown runs again) and gives up waiting at the third; the launcher does not leave before the
+    workers have saved (whatever is left when it exits is killed, as a scheduler does)."""
+    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=60"), frozen_s=12,
                                       also_torchrun=True)
     assert rc == 75, err[-3000:]
     assert json.loads((tmp_path / "STOPPED").read_text())["step"] == latest_state(tmp_path)["step"] >= 2

@@ -39,12 +39,21 @@ def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
     _close(latest_state(big)["model"], latest_state(accum)["model"])
 
 
+def _all_reduces(run_dir) -> int:
+    """gloo all-reduces in rank 0's profiler trace (the traced steps: DDP's buckets plus our own few)."""
+    (trace,) = (run_dir / "profile").glob("rank0.*.json")
+    return sum(e.get("name") == "gloo:all_reduce" for e in json.loads(trace.read_text())["traceEvents"])
+
+
 def test_accumulation_skips_the_all_reduce_with_two_ranks(tmp_path):
-    """2 ranks x 2 micro-steps x 4 (no_sync on the first) = 2 ranks x 1 x 8."""
+    """2 ranks x 2 micro-steps x 4 all-reduce the gradients once per step, like 2 ranks x 1 x 8: the first
+    micro-step runs under no_sync (counted in the profiler's trace of two steps; the final weights of
+    the two would be equal either way)."""
     plain, accum = tmp_path / "plain", tmp_path / "accum"
-    run_train(plain, *GROUPNORM, nproc=2)
-    run_train(accum, *GROUPNORM, "train.micro_batch_size=4", nproc=2)
-    _close(latest_state(plain)["model"], latest_state(accum)["model"])
+    traced = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]
+    run_train(plain, *GROUPNORM, *traced, nproc=2)
+    run_train(accum, *GROUPNORM, *traced, "train.micro_batch_size=4", nproc=2)
+    assert _all_reduces(plain) >= 4 and _all_reduces(accum) == _all_reduces(plain)
 
 
 def test_bf16_runs_on_cpu_with_clipping(tmp_path):
