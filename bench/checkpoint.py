@@ -46,7 +46,8 @@ def make_parts(name: str):
     opt.step()  # momentum buffers exist, as in a real checkpoint
     stream = SimpleNamespace(state_dict=lambda: {"epoch": 0, "samples_in_epoch": 0, "world_size": 1})
     parts = SimpleNamespace(raw=net, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                            stream=stream, step=0, device=torch.device("cpu"))
+                            stream=stream, step=0, device=torch.device("cpu"), window_loss=torch.zeros(()),
+                            window_steps=0, eval_pending=False)
     return cfg, parts
 
 

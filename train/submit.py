@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                   signal_delay_s=args.signal_delay, stderr_to_stdout=False,
                   srun_args=["--kill-on-bad-exit=1"],
                   setup=[f"cd {ROOT}", f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}",
-                         f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}"],
+                         f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
+                         # the stop budget, inside the warning's lead time (see "The stop budget" in the README)
+                         f"export STOP_TIMEOUT=${{STOP_TIMEOUT:-{max(10, args.signal_delay - 30)}}}"],
                   additional_parameters={"requeue": True})
     if args.gpus_per_node > 0:
         params["gpus_per_node"] = args.gpus_per_node
