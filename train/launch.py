@@ -98,7 +98,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str |
     if not out["rdzv_endpoint"] and out["nnodes"] != "1":
         for addr, port in (("MASTER_ADDR", "MASTER_PORT"), ("PET_MASTER_ADDR", "PET_MASTER_PORT")):
             if env.get(addr) and env.get(port):
-                out["rdzv_endpoint"] = f"{env[addr]}:{env[port]}"
+                host = env[addr]
+                if ":" in host and not host.startswith("["):  # an IPv6 address
+                    host = f"[{host}]"
+                out["rdzv_endpoint"] = f"{host}:{env[port]}"
                 break
     return out
 
@@ -126,10 +129,11 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
            f"--max-restarts={opts['max_restarts']}"]
     endpoint = opts["rdzv_endpoint"]
     if endpoint:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+        split_endpoint(endpoint)
+        join_timeout(opts["rdzv_conf"])
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts['rdzv_id']}"]
+        if opts.get("local_addr"):
+            cmd.append(f"--local-addr={opts['local_addr']}")
         if opts["rdzv_conf"]:
             cmd.append(f"--rdzv-conf={opts['rdzv_conf']}")
     elif bounds[-1] == "1":
@@ -148,31 +152,67 @@ def check_training_args(train_args: list[str]) -> config.Config:
     return config.load(ns.config, ns.overrides)
 
 
-def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
-    """(ok, what) for a rendezvous HOST:PORT: free here, served by a c10d store (another agent of this
-    job on this host), in use by something else, or on another host and reachable or not."""
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port); a bracketed IPv6 address ([fd00::1]:29400) loses its brackets, as in
+    torchrun."""
+    host, _, port = endpoint.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16 or "[" in host or "]" in host:
+        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (or [IPv6]:PORT), got {endpoint!r}")
+    return host, int(port)
+
+
+def rdzv_setting(conf: str | None, key: str) -> str | None:
+    """One key=value of --rdzv-conf (the last one given), or None."""
+    found = None
+    for item in (conf or "").split(","):
+        k, _, v = item.partition("=")
+        if k.strip() == key:
+            found = v.strip()
+    return found
+
+
+def join_timeout(conf: str | None) -> float:
+    """The rendezvous join timeout (torchrun's default: 600 s), as --rdzv-conf join_timeout sets it."""
+    value = rdzv_setting(conf, "join_timeout")
+    try:
+        return float(value) if value is not None else 600.0
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf join_timeout must be a number of seconds, got {value!r}") from None
+
+
+# What probe_endpoint finds: this host serves it (free here, or already a c10d store), it is another
+# host's and answers, it is not up yet (no name, nothing listening: wait), or a local port held by
+# something else (fail).
+HOSTED, STORE, REACHABLE, NOT_YET, HELD = "hosted", "store", "reachable", "not-yet", "held"
+
+
+def probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> tuple[str, str, str | None]:
+    """(kind, what, address) for a rendezvous HOST:PORT: free on this host, served by a c10d store (another
+    agent of this job on this host), in use by something else, on another host and reachable, or not up
+    yet. The address is this node's, as the rendezvous host sees it (None when unknown)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    host, _, port_s = endpoint.rpartition(":")
-    port = int(port_s)
+    host, port = split_endpoint(endpoint)
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
-        return False, f"{host} does not resolve ({e.strerror or e})"
+        return NOT_YET, f"{host} does not resolve yet ({e.strerror or e})", None
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
         try:
             s.bind(addr)
-            return True, f"{endpoint} is free on this host"
+            return HOSTED, f"{endpoint} is free on this host", addr[0]
         except OSError as e:
             if e.errno != errno.EADDRINUSE:  # not an address of this host: check it is reachable
                 try:
-                    socket.create_connection((host, port), timeout=timeout_s).close()
-                    return True, f"{endpoint} is reachable"
+                    with socket.create_connection(addr[:2], timeout=timeout_s) as c:
+                        return REACHABLE, f"{endpoint} is reachable", c.getsockname()[0]
                 except OSError as e2:
-                    return False, f"{endpoint} is not reachable ({e2.strerror or e2}); is the first node up?"
+                    return NOT_YET, f"{endpoint} is not reachable yet ({e2.strerror or e2})", None
     # In use here: fine if it is a c10d store (another agent of this job), not if it is anything else.
     # A store client of something that accepts but never answers can hang past its timeout, so the
     # probe runs in a child process that is killed if it does not answer in time.
@@ -191,9 +231,60 @@ def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
         child.kill()
         child.join()
     elif child.exitcode == 0:
-        return True, f"{endpoint} is served by a c10d store on this host"
-    return False, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
-                   f"port, or stop what holds it (ss -ltnp 'sport = :{port}')")
+        return STORE, f"{endpoint} is served by a c10d store on this host", addr[0]
+    return HELD, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
+                  f"port, or stop what holds it (ss -ltnp 'sport = :{port}')", None)
+
+
+def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(ok, what) for a rendezvous HOST:PORT now (the doctor's row): see probe_endpoint."""
+    kind, what, _ = probe_endpoint(endpoint, timeout_s)
+    return kind in (HOSTED, STORE, REACHABLE), what
+
+
+class _Stopped(Exception):
+    pass
+
+
+def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dict[str, str | None]:
+    """Block until this node can join the rendezvous: it hosts it, or the host's name resolves and its
+    port answers. A node started before the rendezvous host waits for it, within the join timeout, as
+    torchrun itself would. Returns the options for torchrun: rdzv_conf, and local_addr, the address
+    the other nodes reach this one at (from the route to the rendezvous host, not from the hostname).
+    Raises RuntimeError (one line) for a local port held by another program or a host still not up at
+    the deadline, _Stopped on a stop signal."""
+    endpoint, conf = opts["rdzv_endpoint"], opts["rdzv_conf"] or ""
+    timeout = join_timeout(conf)
+    deadline, said = time.monotonic() + timeout, None
+    while True:
+        kind, what, local = probe_endpoint(endpoint)
+        if kind == HELD:
+            raise RuntimeError(what)
+        if kind != NOT_YET:
+            break
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the rendezvous host is not up after {timeout:g} s: {what}; start the first node, "
+                               "check that its name resolves here and the port is open between nodes, or raise "
+                               "--rdzv-conf join_timeout=SECONDS")
+        if what != said:
+            print(f"launch: waiting up to {timeout:g} s for the rendezvous host: {what}", file=sys.stderr, flush=True)
+            said = what
+        time.sleep(poll_s)
+    if said:
+        print(f"launch: {what}", file=sys.stderr, flush=True)
+    # torchrun hosts the store only where the endpoint's name is this machine's hostname or resolves to
+    # its address; a node name that differs (an /etc/hosts alias, a SLURM NodeName, a service name)
+    # would make the node that must host it wait as a client. The bind above has just shown it is ours.
+    if kind == HOSTED and rdzv_setting(conf, "is_host") is None:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        try:
+            ours = _matches_machine_hostname(split_endpoint(endpoint)[0])
+        except OSError:  # this machine's own hostname does not resolve
+            ours = False
+        if not ours:
+            conf = f"{conf},is_host=1" if conf else "is_host=1"
+    return opts | {"rdzv_conf": conf, "local_addr": opts.get("local_addr") or local}
 
 
 def _stopped_since(run_dir: Path, since: float) -> bool:
@@ -208,7 +299,7 @@ def _stopped_since(run_dir: Path, since: float) -> bool:
 def explain(output: str, opts: dict[str, str | None]) -> str:
     """One line: why torchrun failed and what to try."""
     endpoint = opts["rdzv_endpoint"] or "the local rendezvous"
-    host, _, port = (opts["rdzv_endpoint"] or "localhost:?").rpartition(":")
+    host, port = split_endpoint(opts["rdzv_endpoint"]) if opts["rdzv_endpoint"] else ("localhost", "?")
     for pattern, hint in HINTS:
         if pattern.search(output):
             return hint.format(endpoint=endpoint, host=host, port=port)
@@ -232,14 +323,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
     if opts["rdzv_endpoint"]:
-        ok, what = port_status(opts["rdzv_endpoint"])
-        if not ok:
-            print(f"error: {what}", file=sys.stderr)
+        try:
+            opts = _interruptible(wait_for_rendezvous, opts)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
+        except _Stopped as e:
+            print(f"launch: stopped on {e} while waiting for the rendezvous host; nothing ran yet: relaunch to "
+                  f"continue (exit {EXIT_REQUEUE})", file=sys.stderr)
+            return EXIT_REQUEUE
+        cmd = torchrun_command(opts, train_args)
+    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
     if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
         # Its own rendezvous id: a finished rendezvous is closed and could not host the training.
@@ -249,6 +347,19 @@ def main(argv: list[str] | None = None) -> int:
         if (rc := _run(doctor, opts, cfg, failure, debug)) != 0:
             return rc
     return _run(cmd, opts, cfg, debug=debug)
+
+
+def _interruptible(fn, *args):
+    """fn(*args), ended by _Stopped on a stop signal (the handlers are restored afterwards)."""
+    def stopped(signum, frame):
+        raise _Stopped(signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
+    try:
+        return fn(*args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:
