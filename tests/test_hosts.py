@@ -1,0 +1,76 @@
+"""Nodes on separate hosts (network namespaces, tests/hosts.py) that start in any order.
+
+Real launchers, torchrun agents and gloo workers; each host has its own address, hostname and /etc/hosts."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import PY, ROOT, TINY, clean_env, summary, train_losses
+
+
+def node(run_dir: Path, *launcher_args: str, overrides=TINY) -> list[str]:
+    return [PY, "-m", "train.launch", *launcher_args, "--", "--config", "configs/default.yaml", *overrides,
+            f"run.dir={run_dir}"]
+
+
+def wait(proc: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass  # make_hosts kills it; the assertion shows the log
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def test_a_node_started_before_the_rendezvous_host_waits_for_its_name_and_port_then_trains(make_hosts, tmp_path):
+    """Node b starts first, when the rendezvous host's name (node-a, not a's hostname) does not resolve
+    on b; the name appears in b's /etc/hosts 8 s later, while nothing listens yet; node a starts 20 s
+    after b. Hostnames do not resolve across hosts at all: the nodes meet by the endpoint's name only."""
+    a, b = make_hosts("alpha", "beta", introduce=False)
+    a.knows("node-a", a.addr)
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=order"]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    pb = b.popen(node(run, *args), clean_env(), tmp_path / "b.log")
+    time.sleep(8)
+    b.knows("node-a", a.addr)
+    time.sleep(12)
+    assert pb.poll() is None, (tmp_path / "b.log").read_text()  # still waiting, not failed
+    pa = a.popen(node(run, *args), clean_env(), tmp_path / "a.log")
+    rc_a, log_a = wait(pa, tmp_path / "a.log")
+    rc_b, log_b = wait(pb, tmp_path / "b.log")
+    assert rc_a == 0 and rc_b == 0, f"a: {rc_a}\n{log_a[-3000:]}\nb: {rc_b}\n{log_b[-3000:]}"
+    assert "waiting up to 600 s for the rendezvous host: node-a does not resolve yet" in log_b
+    assert "waiting up to 600 s for the rendezvous host: node-a:29400 is not reachable yet (Connection refused)" \
+        in log_b
+    assert "launch: node-a:29400 is reachable" in log_b
+    s = summary(run)
+    assert s["steps"] == 6 and s["world_size"] == 2 and sorted(train_losses(run)) == list(range(1, 7))
+    assert time.monotonic() - started > 20
+
+
+def test_a_rendezvous_host_that_never_comes_ends_at_the_join_timeout_in_one_line(make_hosts, tmp_path):
+    (lonely,) = make_hosts("lonely")
+    proc = lonely.popen(node(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=nowhere:29400",
+                             "--rdzv-conf=join_timeout=3"), clean_env(), tmp_path / "log")
+    rc, log = wait(proc, tmp_path / "log", 60)
+    assert rc == 1, log
+    assert re.fullmatch(  # the resolver's words depend on the host's DNS set-up
+        r"error: the rendezvous host is not up after 3 s: nowhere does not resolve yet \([^)]+\); start the first "
+        r"node, check that its name resolves here and the port is open between nodes, or raise --rdzv-conf "
+        r"join_timeout=SECONDS", log.strip().splitlines()[-1]), log
+    assert "Traceback" not in log
+
+
+def test_a_bracketed_ipv6_endpoint_is_accepted(tmp_path):
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(node(tmp_path, "--nnodes=1", "--nproc-per-node=1", f"--rdzv-endpoint=[::1]:{port}"),
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--rdzv-endpoint=[::1]:{port}" in proc.stderr and summary(tmp_path)["steps"] == 6
