@@ -25,9 +25,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=()) -> subprocess.Popen:
+def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=(), host=None) -> subprocess.Popen:
+    """The launcher on this machine, or on a real host (tests/hosts.py)."""
     cmd = [PY, "-m", "train.launch", *launcher_args, "--", "--config", "configs/default.yaml", *overrides,
            f"run.dir={run_dir}", *extra]
+    if host is not None:
+        cmd = host.argv(cmd)
     return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -147,17 +150,18 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
     assert rc == 0 and summary(tmp_path)["steps"] == 30 and sorted(train_losses(tmp_path)) == list(range(1, 31))
 
 
-def test_a_second_node_joins_then_leaves(tmp_path):
-    """--nnodes=1:2 on two agents: world 1, then 2 when the second node joins, then 1 again when it dies."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    common = ["--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic",
+def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
+    """--nnodes=1:2 on two agents on two hosts: world 1, then 2 when the second node joins, then 1 again when
+    the second host loses all its processes at once (launcher, agent, workers: SIGKILL)."""
+    host_a, host_b = make_hosts("node-a", "node-b")
+    common = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=elastic",
               "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--max-restarts=3"]
     overrides = [*TINY, "train.steps=90", "checkpoint.every=5", "dist.timeout_s=15"]
-    a = launch(tmp_path, *common, overrides=overrides)
+    a = launch(tmp_path, *common, overrides=overrides, host=host_a)
     b = None
     try:
         wait_until(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
-        b = launch(tmp_path, *common, overrides=overrides)
+        b = launch(tmp_path, *common, overrides=overrides, host=host_b)
         log0 = tmp_path / "logs" / "rank0.log"
         wait_until(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
         grown_at = max(m["step"] for m in metrics(tmp_path))
