@@ -198,7 +198,10 @@ def test_launcher_builds_one_command_line_from_arguments_or_environment():
         assert part in kube, kube
     master = dry(PET_NNODES="2", PET_NPROC_PER_NODE="1", MASTER_ADDR="job-master-0", MASTER_PORT="23456")
     assert "--rdzv-endpoint=job-master-0:23456" in master
-    assert "--nnodes=3" in dry("--nnodes=3", "--rdzv-endpoint=h:1", NNODES="2")  # arguments beat the environment
+    # arguments beat the environment
+    assert "--nnodes=2" in dry("--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=h:1", NNODES="1")
+    assert "--rdzv-endpoint=[fd00::1]:29400" in dry("--nnodes=2", "--nproc-per-node=1",
+                                                    "--rdzv-endpoint=[fd00::1]:29400")
 
 
 def test_launcher_usage_errors_exit_2_before_torchrun():
@@ -220,3 +223,23 @@ def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
                     "--rdzv-conf=join_timeout=3")
     rc, out, err = finish(lonely, 120)
     assert rc == 1 and err.strip().splitlines()[-1].startswith("error: rendezvous timed out: not every node joined")
+
+
+def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried(tmp_path):
+    """16 samples per step cannot be split over 3 ranks of 8. A fixed world is checked by the launcher
+    before torchrun starts; an elastic one by the workers, whose usage error the launcher does not let
+    torchrun retry."""
+    wrong = "error: train.global_batch_size (16) must be a multiple of train.micro_batch_size x world size (8 x 3 = 24)"
+    fixed = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=3", "--", "--config", "configs/default.yaml",
+                            *TINY, f"run.dir={tmp_path / 'fixed'}"], cwd=ROOT, env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
+    assert fixed.returncode == 2 and fixed.stderr.strip() == wrong, fixed.stderr
+    started = time.monotonic()
+    elastic = launch(tmp_path / "elastic", "--nnodes=1:2", "--nproc-per-node=3", "--max-restarts=3",
+                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1", overrides=TINY)
+    rc, out, err = finish(elastic, 120)
+    assert rc == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"{wrong} (found by the workers; not retried)"
+    assert 2 <= err.count(wrong) <= 4  # workers of the first (and only) round, then the launcher
+    assert "Traceback" not in err and not list((tmp_path / "elastic").glob("checkpoints/*"))
+    assert time.monotonic() - started < 30, "torchrun retried"  # 4 rounds would take longer

@@ -233,7 +233,25 @@ def probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> tuple[str, str, str
     elif child.exitcode == 0:
         return STORE, f"{endpoint} is served by a c10d store on this host", addr[0]
     return HELD, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
-                  f"port, or stop what holds it (ss -ltnp 'sport = :{port}')", None)
+                  f"port, or stop what holds it (ss -ltnp 'sport = :{port}')"), None
+
+
+def check_world(cfg: config.Config, cmd: list[str]) -> None:
+    """The batch arithmetic of the world torchrun will start, when its size is fixed (--nnodes=N, or
+    MIN:MAX with MIN == MAX): a usage error found here, once, instead of by every worker."""
+    flags = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+    bounds = flags["nnodes"].split(":")
+    if bounds[0] == bounds[-1]:
+        config.validate(cfg, int(bounds[0]) * int(flags["nproc-per-node"]))
+
+
+def _usage_error_since(run_dir: Path, since: float) -> str | None:
+    """A worker's usage error during this launch (train/__main__.py's USAGE_ERROR marker): its line."""
+    try:
+        marker = json.loads((run_dir / "USAGE_ERROR").read_text())
+        return marker["error"] if marker["time"] >= since else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -320,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = check_training_args(train_args)
         opts = resolve(args, os.environ)
         cmd = torchrun_command(opts, train_args)
+        check_world(cfg, cmd)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -385,6 +404,13 @@ def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, 
     return out
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None,
          debug: bool = False) -> int:
     """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped, requeue) or 1 (one line)."""
@@ -396,13 +422,14 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
     tail: list[str] = []
+    usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
     def pump():
         held: list[str] = []  # a traceback after a stop, kept back until its last line says what it is
         for line in proc.stderr:
             tail.append(line)
             del tail[:-400]
-            if stop and not held and line.startswith("Traceback (most recent call last):"):
+            if (stop or usage) and not held and line.startswith("Traceback (most recent call last):"):
                 held.append(line)
                 continue
             if held:
@@ -426,10 +453,16 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
-    rc = proc.wait()
+    while (rc := _wait(proc, 0.5)) is None:
+        if not usage and (error := _usage_error_since(cfg.run_dir, started)):
+            usage.append(error)
+            proc.send_signal(signal.SIGTERM)
     pumping.join(timeout=5)
     if rc == 0:
         return 0
+    if usage:
+        print(f"error: {usage[0]} (found by the workers; not retried)", file=sys.stderr)
+        return EXIT_USAGE
     if stop or _stopped_since(cfg.run_dir, started):
         name = signal.Signals(stop[0]).name if stop else "a stop signal"
         print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})",
