@@ -46,8 +46,16 @@ def workers(run_dir: Path) -> dict[int, int]:
             continue
         if b"train" in cmd and f"run.dir={run_dir}".encode() in cmd and "RANK" in env and b"-m" in cmd:
             if cmd[cmd.index(b"-m") + 1] == b"train" and _state(proc) not in "ZX":
-                found[int(env["RANK"])] = int(proc.name)
-    return found
+                found.setdefault(int(env["RANK"]), []).append(int(proc.name))
+    # A DataLoader worker is a fork of its rank (same command line and environment): the rank is the parent.
+    return {rank: next(p for p in pids if _ppid(p) not in pids) for rank, pids in found.items()}
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return 0
 
 
 def kill_tree(pid: int) -> None:
@@ -243,3 +251,33 @@ def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried
     assert 2 <= err.count(wrong) <= 4  # workers of the first (and only) round, then the launcher
     assert "Traceback" not in err and not list((tmp_path / "elastic").glob("checkpoints/*"))
     assert time.monotonic() - started < 30, "torchrun retried"  # 4 rounds would take longer
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def test_plain_torchrun_recovers_after_a_dataloader_worker_is_killed(tmp_path):
+    """What the OOM killer often picks: a DataLoader worker. Plain torchrun (a README entry point, what a
+    PyTorchJob runs without the launcher) shares its rendezvous store with the workers; the restarted
+    group must form anyway, and the rank that lost its loader says so in one line."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           "-m", "train", "--config", "configs/default.yaml", *LONG, "data.num_workers=1", f"run.dir={tmp_path}"]
+    env = {k: v for k, v in clean_env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_until(lambda: reached(tmp_path, 8), 120, "step 8")
+    loader = wait_until(lambda: children(workers(tmp_path)[1]), 30, "rank 1's DataLoader worker")[0]
+    os.kill(loader, signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-4000:]
+    assert "resumed from" in out and summary(tmp_path)["steps"] == 30
+    assert re.search(r"^\[rank 1\] error: a DataLoader worker was killed \(Killed; often the out-of-memory killer\)",
+                     err, re.M), err[-4000:]
+    assert "Traceback" not in err, err[-4000:]

@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -125,13 +126,47 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
     if denv.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        # env:// so that under torchrun the workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE).
         os.environ.setdefault("MASTER_ADDR", denv.master_addr)
         os.environ.setdefault("MASTER_PORT", str(denv.master_port))
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", rank=denv.rank,
-                                world_size=denv.world_size, timeout=timeout, **kwargs)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            kwargs["store"] = _round_store(denv, timeout)
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size, timeout=timeout, **kwargs)
     return device
+
+
+def _round_store(denv: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The agent's store (plain torchrun shares one store server with the workers of every round), under
+    a prefix of this group's own. torch's agent keeps that server across restarts, so without one the
+    keys of a dead group (gloo's and NCCL's addresses) are read by the group that replaces it, which then
+    connects to dead ranks (`connectFullMesh ... Connection refused`). Nothing the workers are given is
+    unique to a group and the same on every node (the restart count differs on a node that joined
+    later), so rank 0 makes a group id and hands it to each rank against a nonce of that rank's own: a
+    key left by a dead group is never taken for this one's."""
+    import uuid
+
+    store = dist.TCPStore(denv.master_addr, denv.master_port, denv.world_size, is_master=False, timeout=timeout,
+                          multi_tenant=True)  # as torch's env:// makes it
+    base, deadline = "ddp-template/group", time.monotonic() + timeout.total_seconds()
+    if denv.rank == 0:
+        group, pending = uuid.uuid4().hex, set(range(1, denv.world_size))
+        while pending:
+            for r in list(pending):
+                if store.check([f"{base}/ack/{group}/{r}"]):
+                    pending.discard(r)
+                elif store.check([f"{base}/ask/{r}"]):  # maybe a dead group's: answered anyway, never acked
+                    store.set(f"{base}/answer/{store.get(f'{base}/ask/{r}').decode()}", group)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"timed out forming the process group: ranks {sorted(pending)} did not join")
+            time.sleep(0.02)
+    else:
+        nonce = uuid.uuid4().hex
+        store.set(f"{base}/ask/{denv.rank}", nonce)
+        group = store.get(f"{base}/answer/{nonce}").decode()  # waits up to the timeout
+        store.set(f"{base}/ack/{group}/{denv.rank}", "1")
+    return dist.PrefixStore(f"{base}/{group}/", store)
 
 
 def teardown() -> None:
@@ -160,6 +195,10 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
+    if m := re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: ?([^.]*)", text):
+        return (f"a DataLoader worker was killed ({m[1] or 'signal'}; often the out-of-memory killer): lower "
+                "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
+                "restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):
         return "a peer rank's connection broke: another rank died (see its log in the run directory)"
     return None
