@@ -74,3 +74,34 @@ def test_a_bracketed_ipv6_endpoint_is_accepted(tmp_path):
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"--rdzv-endpoint=[::1]:{port}" in proc.stderr and summary(tmp_path)["steps"] == 6
+
+
+def test_every_rank_resumes_from_the_same_checkpoint_when_one_node_cannot_read_the_newest(make_hosts, tmp_path):
+    """Two nodes share the run folder; on node b the newest checkpoint reads back damaged (a truncated copy
+    mounted over it in b's own mount namespace: a stale or corrupt view on one node only). Both ranks
+    must resume from the previous checkpoint, and their replicas stay identical."""
+    a, b = make_hosts("node-a", "node-b")
+    run = tmp_path / "run"
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400"]
+    first = [*TINY, "train.steps=8", "checkpoint.every=4"]
+    pa = a.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "a1.log")
+    pb = b.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "b1.log")
+    assert wait(pa, tmp_path / "a1.log")[0] == 0 and wait(pb, tmp_path / "b1.log")[0] == 0
+    newest = run / "checkpoints" / "step_00000008.pt"
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(newest.read_bytes()[:1000])
+    second = [*TINY, "train.steps=12", "checkpoint.every=4"]
+    pa = a.popen(node(run, *args, "--rdzv-id=second", overrides=second), clean_env(), tmp_path / "a2.log")
+    on_b = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(damaged), str(newest),
+            *node(run, *args, "--rdzv-id=second", overrides=second)]
+    pb = b.popen(on_b, clean_env(), tmp_path / "b2.log")
+    rc_a, log_a = wait(pa, tmp_path / "a2.log")
+    rc_b, log_b = wait(pb, tmp_path / "b2.log")
+    assert rc_a == 0 and rc_b == 0, f"{log_a[-3000:]}\n{log_b[-3000:]}"
+    assert newest.stat().st_size > 1000  # the damage was only ever seen from node b
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "step_00000008.pt" in log and "all ranks trying the previous one" in log, log
+        assert f"resumed from {run / 'checkpoints' / 'step_00000004.pt'} at step 4" in log, log
+    s = summary(run)
+    assert s["steps"] == 12 and s["ranks_in_sync"], s
