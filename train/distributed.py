@@ -100,15 +100,61 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, local_rank, world, local_world, addr, port, launcher)
 
 
-def device_for(denv: DistEnv) -> torch.device:
-    """One CUDA device per local rank; CPU without CUDA."""
+# Where a scheduler or container runtime says GPUs were handed to this process.
+GPU_ALLOCATION_VARS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK",
+                       "SLURM_GPUS_PER_NODE", "SLURM_GPUS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+# The oldest NVIDIA driver each CUDA major version of the torch wheels runs on (Linux).
+MIN_DRIVER = {"13": "580", "12": "525", "11": "450"}
+
+
+def gpus_allocated(env: Mapping[str, str]) -> str | None:
+    """The variable that says GPUs were allocated to this process (NAME=value), or None."""
+    for name in GPU_ALLOCATION_VARS:
+        value = env.get(name, "").strip()
+        none = ("", "void", "none", "-1", "(null)", "n/a") + (("0",) if name.startswith("SLURM_") else ())
+        if value.lower() not in none:
+            return f"{name}={value}"
+    return None
+
+
+def cuda_index(denv: DistEnv, count: int) -> int:
+    """The CUDA device of this rank among the `count` it sees. torchrun shows every GPU of the node to
+    every rank: LOCAL_RANK picks one. A scheduler that binds GPUs per task (srun --gpus-per-task=1,
+    --gpu-bind) shows each task its own, fewer than the tasks on the node: the first of them is its."""
+    if denv.local_rank < count:
+        if denv.launcher == "slurm" and count < denv.local_world_size:
+            return 0
+        return denv.local_rank
+    if denv.launcher == "slurm" and count >= 1:
+        return 0
+    raise ConfigError(f"local rank {denv.local_rank} has no GPU: this node has {count}; "
+                      f"start at most {count} processes per node (--nproc-per-node)")
+
+
+def device_for(denv: DistEnv, env: Mapping[str, str] | None = None) -> torch.device:
+    """This rank's CUDA device; CPU without CUDA, unless GPUs were allocated to it: then CUDA that does
+    not work is an error (in one line), not a silent start on CPU."""
+    env = os.environ if env is None else env
     if not torch.cuda.is_available():
+        if (allocated := gpus_allocated(env)) is not None:
+            raise ConfigError(f"GPUs were allocated ({allocated}) but CUDA is not usable here: {_cuda_problem()}; "
+                              "check `nvidia-smi`, or clear that variable to train on CPU")
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if denv.local_rank >= count:
-        raise ConfigError(f"local rank {denv.local_rank} has no GPU: this node has {count}; "
-                          f"start at most {count} processes per node (--nproc-per-node)")
-    return torch.device("cuda", denv.local_rank)
+    return torch.device("cuda", cuda_index(denv, torch.cuda.device_count()))
+
+
+def _cuda_problem() -> str:
+    cuda = torch.version.cuda
+    if not cuda:
+        return f"this torch ({torch.__version__}) is a CPU build; install the CUDA wheels (requirements.txt)"
+    try:
+        torch.cuda.init()
+        why = "no CUDA device is visible"
+    except Exception as e:  # the driver's own words: missing, too old, no device
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    need = MIN_DRIVER.get(cuda.split(".")[0])
+    return (f"{why} (torch {torch.__version__} is built for CUDA {cuda}"
+            + (f", which needs NVIDIA driver >= {need})" if need else ")"))
 
 
 def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
