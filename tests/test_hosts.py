@@ -105,3 +105,34 @@ def test_every_rank_resumes_from_the_same_checkpoint_when_one_node_cannot_read_t
         assert f"resumed from {run / 'checkpoints' / 'step_00000004.pt'} at step 4" in log, log
     s = summary(run)
     assert s["steps"] == 12 and s["ranks_in_sync"], s
+
+
+def test_losing_the_rendezvous_host_ends_the_others_in_one_line_and_a_restart_resumes(make_hosts, tmp_path):
+    """Host a serves the rendezvous (its agent holds the c10d store) and is lost at once (every process on
+    it SIGKILLed). Node b cannot continue without the store: it ends within seconds, in one line, exit 1.
+    The scheduler's restart (both nodes again, the same rendezvous id) resumes from the latest checkpoint."""
+    a, b = make_hosts("node-a", "node-b")
+    run = tmp_path / "run"
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=lost",
+            "--max-restarts=2"]
+    long = [*TINY, "train.steps=40", "checkpoint.every=5", "dist.timeout_s=20"]
+    pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a1.log")
+    pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b1.log")
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoints" / "step_00000010.pt").exists():
+        assert time.monotonic() < deadline and pb.poll() is None, (tmp_path / "b1.log").read_text()[-3000:]
+        time.sleep(0.2)
+    lost_at = time.monotonic()
+    a.crash()
+    rc_b, log_b = wait(pb, tmp_path / "b1.log", 180)
+    took = time.monotonic() - lost_at
+    print(f"node b ended {took:.1f} s after node a was lost; its output:\n{log_b[-5000:]}")
+    assert rc_b == 1, log_b[-3000:]
+    assert log_b.strip().splitlines()[-1].startswith("error: the rendezvous host node-a:29400 was lost"), log_b[-3000:]
+    assert "Traceback" not in log_b and took < 90
+    pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a2.log")
+    pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b2.log")
+    rc_a, log_a = wait(pa, tmp_path / "a2.log")
+    rc_b, log_b = wait(pb, tmp_path / "b2.log")
+    assert rc_a == 0 and rc_b == 0, f"{log_a[-3000:]}\n{log_b[-3000:]}"
+    assert "resumed from" in log_a + log_b and summary(run)["steps"] == 40

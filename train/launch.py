@@ -49,8 +49,17 @@ OPTIONS = {
     "max_restarts": (("MAX_RESTARTS", "PET_MAX_RESTARTS"), "0"),
 }
 
+# The last line of a torchrun traceback that the launcher's one line explains: the traceback is not shown.
+QUIET_TRACEBACK = re.compile(r"^(torch\.distributed\.\S*)?(RendezvousConnectionError|RendezvousTimeoutError|"
+                             r"RendezvousClosedError|DistNetworkError|DistStoreError)\b")
+
 # What torchrun's output says, and what to tell the user (first match wins).
 HINTS = [
+    (re.compile(r"(?s)\A(?=.*RendezvousConnectionError)"  # the store answered once, then the connection broke
+                r"(?=.*(Failed to recv|Connection was likely closed|Connection reset by peer|Broken pipe))"),
+     "the rendezvous host {endpoint} was lost (its c10d store stopped answering): the other nodes cannot go on "
+     "without it; restart the job on every node with the same --rdzv-id (a scheduler's restart does): it resumes "
+     "from the latest checkpoint"),
     (re.compile(r"EADDRINUSE|Address already in use"),
      "the rendezvous port {port} is already in use on {host}: choose another --rdzv-endpoint port, or stop "
      "what holds it (ss -ltnp 'sport = :{port}')"),
@@ -425,21 +434,26 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
     def pump():
-        held: list[str] = []  # a traceback after a stop, kept back until its last line says what it is
+        held: list[str] = []  # a traceback, kept back until its last line says what it is
+        chained = False  # a dropped traceback's "The above exception ..." lines are dropped with it
         for line in proc.stderr:
             tail.append(line)
             del tail[:-400]
-            if (stop or usage) and not held and line.startswith("Traceback (most recent call last):"):
+            if not held and line.startswith("Traceback (most recent call last):"):
                 held.append(line)
                 continue
             if held:
                 held.append(line)
                 if line.startswith(" "):
                     continue
-                # torchrun's own SignalException is how it acknowledges the stop, not news; anything else is
-                lines, held = ([] if "SignalException" in line else held), []
+                # torchrun's own SignalException is how it acknowledges a stop; a rendezvous error is said
+                # in the launcher's last line: neither is news. Anything else is.
+                quiet = ("SignalException" in line and (stop or usage)) or QUIET_TRACEBACK.search(line)
+                lines, held, chained = ([] if quiet else held), [], bool(quiet)
+            elif chained and (not line.strip() or line.startswith(("The above exception", "During handling"))):
+                continue
             else:
-                lines = [line]
+                lines, chained = [line], False
             sys.stderr.writelines(lines)
             sys.stderr.flush()
         sys.stderr.writelines(held)
