@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import json
 import multiprocessing
 import os
@@ -302,7 +303,10 @@ def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dic
     # torchrun hosts the store only where the endpoint's name is this machine's hostname or resolves to
     # its address; a node name that differs (an /etc/hosts alias, a SLURM NodeName, a service name)
     # would make the node that must host it wait as a client. The bind above has just shown it is ours.
-    if kind == HOSTED and rdzv_setting(conf, "is_host") is None:
+    # (Not on a loopback address: several nodes of one machine may race for it, and torch's own guess,
+    # which falls back to a client when the port is taken, handles that.)
+    if kind == HOSTED and rdzv_setting(conf, "is_host") is None and not ipaddress.ip_address(
+            local.split("%")[0]).is_loopback:
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
         try:
