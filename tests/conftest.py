@@ -74,3 +74,11 @@ def latest_state(run_dir: Path) -> dict:
 def _no_gpu_marker(request):
     if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture
+def make_hosts():
+    """make_hosts("n0", "n1") -> real hosts (network namespaces), removed after the test: tests/hosts.py."""
+    from tests.hosts import make_hosts_fixture
+
+    yield from make_hosts_fixture()

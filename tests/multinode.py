@@ -114,15 +114,30 @@ class Node:
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
 
-def run_nodes(nodes: list[Node], timeout: float = 420) -> dict[str, tuple[int, str]]:
-    """Start every node at once and wait for all; one still running at the end (a failure, the timeout) is
-    killed with its whole process group (torchrun and its workers)."""
+def run_nodes(nodes: list[Node], timeout: float = 420, hosts=None, stagger: float = 0.0) -> dict[str, tuple[int, str]]:
+    """Start every node and wait for all; one still running at the end (a failure, the timeout) is killed
+    with its whole process group (torchrun and its workers). With hosts (tests/hosts.py, one per node, made
+    with introduce=False), node K runs on host K, last node first, `stagger` seconds apart, and a host's
+    name resolves on the others only once its node has started (as a pod's DNS name does)."""
     handles = []
+    order = list(range(len(nodes)))
+    if hosts is not None:
+        assert len(hosts) == len(nodes)
+        order.reverse()
     try:
-        for node in nodes:
+        for k in order:
+            node = nodes[k]
             out = node.log.open("w")
             handles.append(out)
-            node.proc = subprocess.Popen(node.argv, cwd=ROOT, env=node.env, stdout=out, stderr=subprocess.STDOUT,
+            argv = node.argv
+            if hosts is not None:
+                if k != order[0]:
+                    time.sleep(stagger)
+                for other in hosts:
+                    if other is not hosts[k]:
+                        other.knows(hosts[k])
+                argv = hosts[k].argv(argv)
+            node.proc = subprocess.Popen(argv, cwd=ROOT, env=node.env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         deadline = time.monotonic() + timeout
         for node in nodes:

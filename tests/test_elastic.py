@@ -25,9 +25,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=()) -> subprocess.Popen:
+def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=(), host=None) -> subprocess.Popen:
+    """The launcher on this machine, or on a real host (tests/hosts.py)."""
     cmd = [PY, "-m", "train.launch", *launcher_args, "--", "--config", "configs/default.yaml", *overrides,
            f"run.dir={run_dir}", *extra]
+    if host is not None:
+        cmd = host.argv(cmd)
     return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -43,8 +46,16 @@ def workers(run_dir: Path) -> dict[int, int]:
             continue
         if b"train" in cmd and f"run.dir={run_dir}".encode() in cmd and "RANK" in env and b"-m" in cmd:
             if cmd[cmd.index(b"-m") + 1] == b"train" and _state(proc) not in "ZX":
-                found[int(env["RANK"])] = int(proc.name)
-    return found
+                found.setdefault(int(env["RANK"]), []).append(int(proc.name))
+    # A DataLoader worker is a fork of its rank (same command line and environment): the rank is the parent.
+    return {rank: next(p for p in pids if _ppid(p) not in pids) for rank, pids in found.items()}
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return 0
 
 
 def kill_tree(pid: int) -> None:
@@ -147,17 +158,18 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
     assert rc == 0 and summary(tmp_path)["steps"] == 30 and sorted(train_losses(tmp_path)) == list(range(1, 31))
 
 
-def test_a_second_node_joins_then_leaves(tmp_path):
-    """--nnodes=1:2 on two agents: world 1, then 2 when the second node joins, then 1 again when it dies."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    common = ["--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic",
+def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
+    """--nnodes=1:2 on two agents on two hosts: world 1, then 2 when the second node joins, then 1 again when
+    the second host loses all its processes at once (launcher, agent, workers: SIGKILL)."""
+    host_a, host_b = make_hosts("node-a", "node-b")
+    common = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=elastic",
               "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--max-restarts=3"]
     overrides = [*TINY, "train.steps=90", "checkpoint.every=5", "dist.timeout_s=15"]
-    a = launch(tmp_path, *common, overrides=overrides)
+    a = launch(tmp_path, *common, overrides=overrides, host=host_a)
     b = None
     try:
         wait_until(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
-        b = launch(tmp_path, *common, overrides=overrides)
+        b = launch(tmp_path, *common, overrides=overrides, host=host_b)
         log0 = tmp_path / "logs" / "rank0.log"
         wait_until(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
         grown_at = max(m["step"] for m in metrics(tmp_path))
@@ -194,7 +206,10 @@ def test_launcher_builds_one_command_line_from_arguments_or_environment():
         assert part in kube, kube
     master = dry(PET_NNODES="2", PET_NPROC_PER_NODE="1", MASTER_ADDR="job-master-0", MASTER_PORT="23456")
     assert "--rdzv-endpoint=job-master-0:23456" in master
-    assert "--nnodes=3" in dry("--nnodes=3", "--rdzv-endpoint=h:1", NNODES="2")  # arguments beat the environment
+    # arguments beat the environment
+    assert "--nnodes=2" in dry("--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=h:1", NNODES="1")
+    assert "--rdzv-endpoint=[fd00::1]:29400" in dry("--nnodes=2", "--nproc-per-node=1",
+                                                    "--rdzv-endpoint=[fd00::1]:29400")
 
 
 def test_launcher_usage_errors_exit_2_before_torchrun():
@@ -216,3 +231,53 @@ def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
                     "--rdzv-conf=join_timeout=3")
     rc, out, err = finish(lonely, 120)
     assert rc == 1 and err.strip().splitlines()[-1].startswith("error: rendezvous timed out: not every node joined")
+
+
+def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried(tmp_path):
+    """16 samples per step cannot be split over 3 ranks of 8. A fixed world is checked by the launcher
+    before torchrun starts; an elastic one by the workers, whose usage error the launcher does not let
+    torchrun retry."""
+    wrong = "error: train.global_batch_size (16) must be a multiple of train.micro_batch_size x world size (8 x 3 = 24)"
+    fixed = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=3", "--", "--config", "configs/default.yaml",
+                            *TINY, f"run.dir={tmp_path / 'fixed'}"], cwd=ROOT, env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
+    assert fixed.returncode == 2 and fixed.stderr.strip() == wrong, fixed.stderr
+    started = time.monotonic()
+    elastic = launch(tmp_path / "elastic", "--nnodes=1:2", "--nproc-per-node=3", "--max-restarts=3",
+                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1", overrides=TINY)
+    rc, out, err = finish(elastic, 120)
+    assert rc == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"{wrong} (found by the workers; not retried)"
+    assert 2 <= err.count(wrong) <= 4  # workers of the first (and only) round, then the launcher
+    assert "Traceback" not in err and not list((tmp_path / "elastic").glob("checkpoints/*"))
+    assert time.monotonic() - started < 30, "torchrun retried"  # 4 rounds would take longer
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def test_plain_torchrun_recovers_after_a_dataloader_worker_is_killed(tmp_path):
+    """What the OOM killer often picks: a DataLoader worker. Plain torchrun (a README entry point, what a
+    PyTorchJob runs without the launcher) shares its rendezvous store with the workers; the restarted
+    group must form anyway, and the rank that lost its loader says so in one line."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           "-m", "train", "--config", "configs/default.yaml", *LONG, "data.num_workers=1", f"run.dir={tmp_path}"]
+    env = {k: v for k, v in clean_env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_until(lambda: reached(tmp_path, 8), 120, "step 8")
+    loader = wait_until(lambda: children(workers(tmp_path)[1]), 30, "rank 1's DataLoader worker")[0]
+    os.kill(loader, signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-4000:]
+    assert "resumed from" in out and summary(tmp_path)["steps"] == 30
+    assert re.search(r"^\[rank 1\] error: a DataLoader worker was killed \(Killed; often the out-of-memory killer\)",
+                     err, re.M), err[-4000:]
+    assert "Traceback" not in err, err[-4000:]

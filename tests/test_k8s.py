@@ -258,9 +258,18 @@ def pod_argv(c: dict) -> list[str]:
     return [*image_exec("ENTRYPOINT"), *c.get("args", image_exec("CMD"))]
 
 
-def replica_nodes(job: dict, tmp: Path) -> tuple[list[Node], dict[str, Path]]:
-    """Each replica of the job as a local process: its command, its container env + the operator's env,
-    its volumes as folders (ConfigMaps written out, one folder per PVC shared by all pods)."""
+def pod_names(job: dict) -> list[str]:
+    """Each pod's name (its hostname, and its Service's name): Master first, then the Workers."""
+    name, replicas = job["metadata"]["name"], job["spec"]["pytorchReplicaSpecs"]
+    return [f"{name}-{rt.lower()}-{i}" for rt in ("Master", "Worker") if rt in replicas
+            for i in range(replicas[rt].get("replicas", 1))]
+
+
+def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False) -> tuple[list[Node], dict[str, Path]]:
+    """Each replica of the job as a process: its command, its container env + the operator's env, its
+    volumes as folders (ConfigMaps written out, one folder per PVC shared by all pods). On real hosts (one
+    per pod, named as its pod) the Services' names and ports are used as they are; otherwise each name
+    is mapped to 127.0.0.1 and a free port per pod."""
     name = job["metadata"]["name"]
     pods = [(rt, i) for rt in ("Master", "Worker") if rt in job["spec"]["pytorchReplicaSpecs"]
             for i in range(job["spec"]["pytorchReplicaSpecs"][rt].get("replicas", 1))]
@@ -269,6 +278,8 @@ def replica_nodes(job: dict, tmp: Path) -> tuple[list[Node], dict[str, Path]]:
 
     def address(rt: str, i: int, port: int) -> tuple[str, int]:  # the Service -> 127.0.0.1, a port per pod
         service = f"{name}-{rt.lower()}-{i}"
+        if real_hosts:
+            return service, port
         return addresses(service), addresses.port(service, port)
 
     claims, nodes = {}, []
@@ -314,11 +325,14 @@ def _with_master(job: dict) -> dict:
 
 
 @pytest.mark.parametrize("variant", ["as written", "with a Master replica"])
-def test_replicas_train_together_with_the_operators_environment(tmp_path, variant):
+def test_replicas_train_together_with_the_operators_environment(tmp_path, variant, make_hosts):
+    """Each pod on a real host named as the pod; pods start last first, 5 s apart, and a pod's name
+    resolves only once it runs (worker-0, the rendezvous host, comes last)."""
     job = _job() if variant == "as written" else _with_master(_job())
     policy = job["spec"]["elasticPolicy"]
     assert policy["nProcPerNode"] == 1, "this test runs one CPU process per pod"
-    nodes, claims = replica_nodes(job, tmp_path)
+    hosts = make_hosts(*pod_names(job), introduce=False)
+    nodes, claims = replica_nodes(job, tmp_path, real_hosts=True)
     assert len(nodes) == 2
     expected = {"PET_NNODES", "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_MAX_RESTARTS",
                 "PET_NPROC_PER_NODE", "PYTHONUNBUFFERED"}
@@ -331,7 +345,9 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
         print(f"{node.name}: " + " ".join(f"{k}={node.env[k]}" for k in sorted(expected)) + f" {quoted(node.argv)}")
     if variant != "as written":
         assert [n.env["RANK"] for n in nodes] == ["0", "1"] and {n.env["WORLD_SIZE"] for n in nodes} == {"2"}
-    results = run_nodes(nodes)
+    results = run_nodes(nodes, hosts=hosts, stagger=5)
+    if variant == "as written":  # worker-1 started 5 s before worker-0's name resolved: it waited, then trained
+        assert "for the rendezvous host: ddp-template-worker-0 does not resolve yet" in results["worker-1"][1]
     for name, (code, log) in results.items():
         assert code == 0, f"{name} exited {code}\n{log[-4000:]}"
         assert f"--nnodes={policy['minReplicas']}:{policy['maxReplicas']}" in log  # the launcher used PET_*

@@ -7,7 +7,11 @@ checkpoint -> teardown. Config errors are found before torch is even imported: o
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
 
 from train import config
 from train.config import ConfigError
@@ -23,8 +27,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _mark_usage_error(run_dir: Path, error: str) -> None:
+    """Under torchrun, which would restart the workers on any failure: tell the launcher (train/launch.py)
+    that this one is a usage error, so it stops torchrun instead of letting it retry (every rank writes
+    the same marker; the last rename wins)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".USAGE_ERROR.{os.getpid()}"
+        tmp.write_text(json.dumps({"time": time.time(), "error": error}))
+        os.replace(tmp, run_dir / "USAGE_ERROR")
+    except OSError:
+        pass  # the launcher then sees an ordinary failure
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cfg = None
     try:
         cfg = config.load(args.config, args.overrides)
         from train import distributed  # imports torch: only once the config is known to be good
@@ -33,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         config.validate(cfg, denv.world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        if cfg is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
+            _mark_usage_error(cfg.run_dir, str(e))
         return EXIT_USAGE
     if args.check:
         import yaml

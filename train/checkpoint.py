@@ -360,18 +360,47 @@ class Checkpointer:
             if self.dir.is_dir():  # leftovers of a save that was killed: never counted
                 for p in self.dir.glob(".*.tmp*"):
                     p.unlink(missing_ok=True)
-        for path in self.find_resume():
+        candidates, error = self._agreed_candidates()
+        if error is not None:
+            raise ConfigError(error)
+        for path in candidates:
             t = time.perf_counter()
             try:
-                state = read_checkpoint(path)
+                state, problem = read_checkpoint(path), None
             except ValueError as e:
-                self.log.warning(f"checkpoint {path} {e}; trying the previous one")
+                state, problem = None, str(e)
+            # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
+            unreadable = self._ranks_failing(problem is not None, parts.device)
+            if unreadable:
+                why = problem or f"cannot be read by rank(s) {', '.join(map(str, unreadable))}"
+                self.log.warning(f"checkpoint {path} {why}; all ranks trying the previous one")
                 continue
             self._load(parts, state, path, time.perf_counter() - t)
             return True
         if self.cfg.resume not in ("auto", "never"):
             raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
         return False
+
+    def _agreed_candidates(self) -> tuple[list[Path], str | None]:
+        """Rank 0's list of checkpoints to try (or its usage error), the same on every rank: a node with a
+        stale listing of a shared folder must not pick another step."""
+        found: list = [None, None]
+        if self.rank == 0:
+            try:
+                found[0] = [str(p) for p in self.find_resume()]
+            except ConfigError as e:
+                found[1] = str(e)
+        if self.world_size > 1:
+            dist.broadcast_object_list(found, src=0)
+        return [Path(p) for p in found[0] or []], found[1]
+
+    def _ranks_failing(self, failed: bool, device: torch.device) -> list[int]:
+        """The ranks for which `failed` is true (every rank calls this)."""
+        flags = torch.zeros(self.world_size, device=device)
+        flags[self.rank] = float(failed)
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f]
 
     def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
         if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:

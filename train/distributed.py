@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -100,15 +101,61 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, local_rank, world, local_world, addr, port, launcher)
 
 
-def device_for(denv: DistEnv) -> torch.device:
-    """One CUDA device per local rank; CPU without CUDA."""
+# Where a scheduler or container runtime says GPUs were handed to this process.
+GPU_ALLOCATION_VARS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK",
+                       "SLURM_GPUS_PER_NODE", "SLURM_GPUS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+# The oldest NVIDIA driver each CUDA major version of the torch wheels runs on (Linux).
+MIN_DRIVER = {"13": "580", "12": "525", "11": "450"}
+
+
+def gpus_allocated(env: Mapping[str, str]) -> str | None:
+    """The variable that says GPUs were allocated to this process (NAME=value), or None."""
+    for name in GPU_ALLOCATION_VARS:
+        value = env.get(name, "").strip()
+        none = ("", "void", "none", "-1", "(null)", "n/a") + (("0",) if name.startswith("SLURM_") else ())
+        if value.lower() not in none:
+            return f"{name}={value}"
+    return None
+
+
+def cuda_index(denv: DistEnv, count: int) -> int:
+    """The CUDA device of this rank among the `count` it sees. torchrun shows every GPU of the node to
+    every rank: LOCAL_RANK picks one. A scheduler that binds GPUs per task (srun --gpus-per-task=1,
+    --gpu-bind) shows each task its own, fewer than the tasks on the node: the first of them is its."""
+    if denv.local_rank < count:
+        if denv.launcher == "slurm" and count < denv.local_world_size:
+            return 0
+        return denv.local_rank
+    if denv.launcher == "slurm" and count >= 1:
+        return 0
+    raise ConfigError(f"local rank {denv.local_rank} has no GPU: this node has {count}; "
+                      f"start at most {count} processes per node (--nproc-per-node)")
+
+
+def device_for(denv: DistEnv, env: Mapping[str, str] | None = None) -> torch.device:
+    """This rank's CUDA device; CPU without CUDA, unless GPUs were allocated to it: then CUDA that does
+    not work is an error (in one line), not a silent start on CPU."""
+    env = os.environ if env is None else env
     if not torch.cuda.is_available():
+        if (allocated := gpus_allocated(env)) is not None:
+            raise ConfigError(f"GPUs were allocated ({allocated}) but CUDA is not usable here: {_cuda_problem()}; "
+                              "check `nvidia-smi`, or clear that variable to train on CPU")
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if denv.local_rank >= count:
-        raise ConfigError(f"local rank {denv.local_rank} has no GPU: this node has {count}; "
-                          f"start at most {count} processes per node (--nproc-per-node)")
-    return torch.device("cuda", denv.local_rank)
+    return torch.device("cuda", cuda_index(denv, torch.cuda.device_count()))
+
+
+def _cuda_problem() -> str:
+    cuda = torch.version.cuda
+    if not cuda:
+        return f"this torch ({torch.__version__}) is a CPU build; install the CUDA wheels (requirements.txt)"
+    try:
+        torch.cuda.init()
+        why = "no CUDA device is visible"
+    except Exception as e:  # the driver's own words: missing, too old, no device
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    need = MIN_DRIVER.get(cuda.split(".")[0])
+    return (f"{why} (torch {torch.__version__} is built for CUDA {cuda}"
+            + (f", which needs NVIDIA driver >= {need})" if need else ")"))
 
 
 def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
@@ -126,13 +173,47 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
     if denv.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        # env:// so that under torchrun the workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE).
         os.environ.setdefault("MASTER_ADDR", denv.master_addr)
         os.environ.setdefault("MASTER_PORT", str(denv.master_port))
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", rank=denv.rank,
-                                world_size=denv.world_size, timeout=timeout, **kwargs)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            kwargs["store"] = _round_store(denv, timeout)
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size, timeout=timeout, **kwargs)
     return device
+
+
+def _round_store(denv: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The agent's store (plain torchrun shares one store server with the workers of every round), under
+    a prefix of this group's own. torch's agent keeps that server across restarts, so without one the
+    keys of a dead group (gloo's and NCCL's addresses) are read by the group that replaces it, which then
+    connects to dead ranks (`connectFullMesh ... Connection refused`). Nothing the workers are given is
+    unique to a group and the same on every node (the restart count differs on a node that joined
+    later), so rank 0 makes a group id and hands it to each rank against a nonce of that rank's own: a
+    key left by a dead group is never taken for this one's."""
+    import uuid
+
+    store = dist.TCPStore(denv.master_addr, denv.master_port, denv.world_size, is_master=False, timeout=timeout,
+                          multi_tenant=True)  # as torch's env:// makes it
+    base, deadline = "ddp-template/group", time.monotonic() + timeout.total_seconds()
+    if denv.rank == 0:
+        group, pending = uuid.uuid4().hex, set(range(1, denv.world_size))
+        while pending:
+            for r in list(pending):
+                if store.check([f"{base}/ack/{group}/{r}"]):
+                    pending.discard(r)
+                elif store.check([f"{base}/ask/{r}"]):  # maybe a dead group's: answered anyway, never acked
+                    store.set(f"{base}/answer/{store.get(f'{base}/ask/{r}').decode()}", group)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"timed out forming the process group: ranks {sorted(pending)} did not join")
+            time.sleep(0.02)
+    else:
+        nonce = uuid.uuid4().hex
+        store.set(f"{base}/ask/{denv.rank}", nonce)
+        group = store.get(f"{base}/answer/{nonce}").decode()  # waits up to the timeout
+        store.set(f"{base}/ack/{group}/{denv.rank}", "1")
+    return dist.PrefixStore(f"{base}/{group}/", store)
 
 
 def teardown() -> None:
@@ -190,6 +271,10 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
+    if m := re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: ?([^.]*)", text):
+        return (f"a DataLoader worker was killed ({m[1] or 'signal'}; often the out-of-memory killer): lower "
+                "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
+                "restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):
         return "a peer rank's connection broke: another rank died (see its log in the run directory)"
     return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import ipaddress
 import json
 import multiprocessing
 import os
@@ -55,8 +56,17 @@ OPTIONS = {
     "stop_timeout": (("STOP_TIMEOUT", "PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "30"),
 }
 
+# The last line of a torchrun traceback that the launcher's one line explains: the traceback is not shown.
+QUIET_TRACEBACK = re.compile(r"^(torch\.distributed\.\S*)?(RendezvousConnectionError|RendezvousTimeoutError|"
+                             r"RendezvousClosedError|DistNetworkError|DistStoreError)\b")
+
 # What torchrun's output says, and what to tell the user (first match wins).
 HINTS = [
+    (re.compile(r"(?s)\A(?=.*RendezvousConnectionError)"  # the store answered once, then the connection broke
+                r"(?=.*(Failed to recv|Connection was likely closed|Connection reset by peer|Broken pipe))"),
+     "the rendezvous host {endpoint} was lost (its c10d store stopped answering): the other nodes cannot go on "
+     "without it; restart the job on every node with the same --rdzv-id (a scheduler's restart does): it resumes "
+     "from the latest checkpoint"),
     (re.compile(r"EADDRINUSE|Address already in use"),
      "the rendezvous port {port} is already in use on {host}: choose another --rdzv-endpoint port, or stop "
      "what holds it (ss -ltnp 'sport = :{port}')"),
@@ -107,7 +117,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str |
     if not out["rdzv_endpoint"] and out["nnodes"] != "1":
         for addr, port in (("MASTER_ADDR", "MASTER_PORT"), ("PET_MASTER_ADDR", "PET_MASTER_PORT")):
             if env.get(addr) and env.get(port):
-                out["rdzv_endpoint"] = f"{env[addr]}:{env[port]}"
+                host = env[addr]
+                if ":" in host and not host.startswith("["):  # an IPv6 address
+                    host = f"[{host}]"
+                out["rdzv_endpoint"] = f"{host}:{env[port]}"
                 break
     return out
 
@@ -138,10 +151,11 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
            f"--max-restarts={opts['max_restarts']}", f"--shutdown-timeout={opts['stop_timeout']}"]
     endpoint = opts["rdzv_endpoint"]
     if endpoint:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+        split_endpoint(endpoint)
+        join_timeout(opts["rdzv_conf"])
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts['rdzv_id']}"]
+        if opts.get("local_addr"):
+            cmd.append(f"--local-addr={opts['local_addr']}")
         if opts["rdzv_conf"]:
             cmd.append(f"--rdzv-conf={opts['rdzv_conf']}")
     elif bounds[-1] == "1":
@@ -160,31 +174,67 @@ def check_training_args(train_args: list[str]) -> config.Config:
     return config.load(ns.config, ns.overrides)
 
 
-def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
-    """(ok, what) for a rendezvous HOST:PORT: free here, served by a c10d store (another agent of this
-    job on this host), in use by something else, or on another host and reachable or not."""
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port); a bracketed IPv6 address ([fd00::1]:29400) loses its brackets, as in
+    torchrun."""
+    host, _, port = endpoint.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16 or "[" in host or "]" in host:
+        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (or [IPv6]:PORT), got {endpoint!r}")
+    return host, int(port)
+
+
+def rdzv_setting(conf: str | None, key: str) -> str | None:
+    """One key=value of --rdzv-conf (the last one given), or None."""
+    found = None
+    for item in (conf or "").split(","):
+        k, _, v = item.partition("=")
+        if k.strip() == key:
+            found = v.strip()
+    return found
+
+
+def join_timeout(conf: str | None) -> float:
+    """The rendezvous join timeout (torchrun's default: 600 s), as --rdzv-conf join_timeout sets it."""
+    value = rdzv_setting(conf, "join_timeout")
+    try:
+        return float(value) if value is not None else 600.0
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf join_timeout must be a number of seconds, got {value!r}") from None
+
+
+# What probe_endpoint finds: this host serves it (free here, or already a c10d store), it is another
+# host's and answers, it is not up yet (no name, nothing listening: wait), or a local port held by
+# something else (fail).
+HOSTED, STORE, REACHABLE, NOT_YET, HELD = "hosted", "store", "reachable", "not-yet", "held"
+
+
+def probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> tuple[str, str, str | None]:
+    """(kind, what, address) for a rendezvous HOST:PORT: free on this host, served by a c10d store (another
+    agent of this job on this host), in use by something else, on another host and reachable, or not up
+    yet. The address is this node's, as the rendezvous host sees it (None when unknown)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    host, _, port_s = endpoint.rpartition(":")
-    port = int(port_s)
+    host, port = split_endpoint(endpoint)
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
-        return False, f"{host} does not resolve ({e.strerror or e})"
+        return NOT_YET, f"{host} does not resolve yet ({e.strerror or e})", None
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is free
         try:
             s.bind(addr)
-            return True, f"{endpoint} is free on this host"
+            return HOSTED, f"{endpoint} is free on this host", addr[0]
         except OSError as e:
             if e.errno != errno.EADDRINUSE:  # not an address of this host: check it is reachable
                 try:
-                    socket.create_connection((host, port), timeout=timeout_s).close()
-                    return True, f"{endpoint} is reachable"
+                    with socket.create_connection(addr[:2], timeout=timeout_s) as c:
+                        return REACHABLE, f"{endpoint} is reachable", c.getsockname()[0]
                 except OSError as e2:
-                    return False, f"{endpoint} is not reachable ({e2.strerror or e2}); is the first node up?"
+                    return NOT_YET, f"{endpoint} is not reachable yet ({e2.strerror or e2})", None
     # In use here: fine if it is a c10d store (another agent of this job), not if it is anything else.
     # A store client of something that accepts but never answers can hang past its timeout, so the
     # probe runs in a child process that is killed if it does not answer in time.
@@ -203,9 +253,81 @@ def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
         child.kill()
         child.join()
     elif child.exitcode == 0:
-        return True, f"{endpoint} is served by a c10d store on this host"
-    return False, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
-                   f"port, or stop what holds it (ss -ltnp 'sport = :{port}')")
+        return STORE, f"{endpoint} is served by a c10d store on this host", addr[0]
+    return HELD, (f"port {port} on {host} is in use by another program: choose another --rdzv-endpoint "
+                  f"port, or stop what holds it (ss -ltnp 'sport = :{port}')"), None
+
+
+def check_world(cfg: config.Config, cmd: list[str]) -> None:
+    """The batch arithmetic of the world torchrun will start, when its size is fixed (--nnodes=N, or
+    MIN:MAX with MIN == MAX): a usage error found here, once, instead of by every worker."""
+    flags = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+    bounds = flags["nnodes"].split(":")
+    if bounds[0] == bounds[-1]:
+        config.validate(cfg, int(bounds[0]) * int(flags["nproc-per-node"]))
+
+
+def _usage_error_since(run_dir: Path, since: float) -> str | None:
+    """A worker's usage error during this launch (train/__main__.py's USAGE_ERROR marker): its line."""
+    try:
+        marker = json.loads((run_dir / "USAGE_ERROR").read_text())
+        return marker["error"] if marker["time"] >= since else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """(ok, what) for a rendezvous HOST:PORT now (the doctor's row): see probe_endpoint."""
+    kind, what, _ = probe_endpoint(endpoint, timeout_s)
+    return kind in (HOSTED, STORE, REACHABLE), what
+
+
+class _Stopped(Exception):
+    pass
+
+
+def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dict[str, str | None]:
+    """Block until this node can join the rendezvous: it hosts it, or the host's name resolves and its
+    port answers. A node started before the rendezvous host waits for it, within the join timeout, as
+    torchrun itself would. Returns the options for torchrun: rdzv_conf, and local_addr, the address
+    the other nodes reach this one at (from the route to the rendezvous host, not from the hostname).
+    Raises RuntimeError (one line) for a local port held by another program or a host still not up at
+    the deadline, _Stopped on a stop signal."""
+    endpoint, conf = opts["rdzv_endpoint"], opts["rdzv_conf"] or ""
+    timeout = join_timeout(conf)
+    deadline, said = time.monotonic() + timeout, None
+    while True:
+        kind, what, local = probe_endpoint(endpoint)
+        if kind == HELD:
+            raise RuntimeError(what)
+        if kind != NOT_YET:
+            break
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the rendezvous host is not up after {timeout:g} s: {what}; start the first node, "
+                               "check that its name resolves here and the port is open between nodes, or raise "
+                               "--rdzv-conf join_timeout=SECONDS")
+        if what != said:
+            print(f"launch: waiting up to {timeout:g} s for the rendezvous host: {what}", file=sys.stderr, flush=True)
+            said = what
+        time.sleep(poll_s)
+    if said:
+        print(f"launch: {what}", file=sys.stderr, flush=True)
+    # torchrun hosts the store only where the endpoint's name is this machine's hostname or resolves to
+    # its address; a node name that differs (an /etc/hosts alias, a SLURM NodeName, a service name)
+    # would make the node that must host it wait as a client. The bind above has just shown it is ours.
+    # (Not on a loopback address: several nodes of one machine may race for it, and torch's own guess,
+    # which falls back to a client when the port is taken, handles that.)
+    if kind == HOSTED and rdzv_setting(conf, "is_host") is None and not ipaddress.ip_address(
+            local.split("%")[0]).is_loopback:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        try:
+            ours = _matches_machine_hostname(split_endpoint(endpoint)[0])
+        except OSError:  # this machine's own hostname does not resolve
+            ours = False
+        if not ours:
+            conf = f"{conf},is_host=1" if conf else "is_host=1"
+    return opts | {"rdzv_conf": conf, "local_addr": opts.get("local_addr") or local}
 
 
 CLOCK_SLACK_S = 2.0  # the marker may be written by another node, whose clock may be a little behind
@@ -232,7 +354,7 @@ def _finished_since(run_dir: Path, since: float) -> bool:
 def explain(output: str, opts: dict[str, str | None]) -> str:
     """One line: why torchrun failed and what to try."""
     endpoint = opts["rdzv_endpoint"] or "the local rendezvous"
-    host, _, port = (opts["rdzv_endpoint"] or "localhost:?").rpartition(":")
+    host, port = split_endpoint(opts["rdzv_endpoint"]) if opts["rdzv_endpoint"] else ("localhost", "?")
     for pattern, hint in HINTS:
         if pattern.search(output):
             return hint.format(endpoint=endpoint, host=host, port=port)
@@ -253,17 +375,25 @@ def main(argv: list[str] | None = None) -> int:
         cfg = check_training_args(train_args)
         opts = resolve(args, os.environ)
         cmd = torchrun_command(opts, train_args)
+        check_world(cfg, cmd)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
     if opts["rdzv_endpoint"]:
-        ok, what = port_status(opts["rdzv_endpoint"])
-        if not ok:
-            print(f"error: {what}", file=sys.stderr)
+        try:
+            opts = _interruptible(wait_for_rendezvous, opts)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
+        except _Stopped as e:
+            print(f"launch: stopped on {e} while waiting for the rendezvous host; nothing ran yet: relaunch to "
+                  f"continue (exit {EXIT_REQUEUE})", file=sys.stderr)
+            return EXIT_REQUEUE
+        cmd = torchrun_command(opts, train_args)
+    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
     if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
         # Its own rendezvous id: a finished rendezvous is closed and could not host the training.
@@ -273,6 +403,19 @@ def main(argv: list[str] | None = None) -> int:
         if (rc := _run(doctor, opts, cfg, failure, debug)) != 0:
             return rc
     return _run(cmd, opts, cfg, debug=debug)
+
+
+def _interruptible(fn, *args):
+    """fn(*args), ended by _Stopped on a stop signal (the handlers are restored afterwards)."""
+    def stopped(signum, frame):
+        raise _Stopped(signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
+    try:
+        return fn(*args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:
@@ -324,6 +467,13 @@ def _wait_for(pids: set[int], deadline: float) -> set[int]:
     return left
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None,
          debug: bool = False) -> int:
     """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped after a checkpoint, requeue)
@@ -337,23 +487,29 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
     tail: list[str] = []
+    usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
     def pump():
-        held: list[str] = []  # a traceback after a stop, kept back until its last line says what it is
+        held: list[str] = []  # a traceback, kept back until its last line says what it is
+        chained = False  # a dropped traceback's "The above exception ..." lines are dropped with it
         for line in proc.stderr:
             tail.append(line)
             del tail[:-400]
-            if stop and not held and line.startswith("Traceback (most recent call last):"):
+            if not held and line.startswith("Traceback (most recent call last):"):
                 held.append(line)
                 continue
             if held:
                 held.append(line)
                 if line.startswith(" "):
                     continue
-                # torchrun's own SignalException is how it acknowledges the stop, not news; anything else is
-                lines, held = ([] if "SignalException" in line else held), []
+                # torchrun's own SignalException is how it acknowledges a stop; a rendezvous error is said
+                # in the launcher's last line: neither is news. Anything else is.
+                quiet = ("SignalException" in line and (stop or usage)) or QUIET_TRACEBACK.search(line)
+                lines, held, chained = ([] if quiet else held), [], bool(quiet)
+            elif chained and (not line.strip() or line.startswith(("The above exception", "During handling"))):
+                continue
             else:
-                lines = [line]
+                lines, chained = [line], False
             sys.stderr.writelines(lines)
             sys.stderr.flush()
         sys.stderr.writelines(held)
@@ -369,9 +525,12 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
-    rc = proc.wait()
+    while (rc := _wait(proc, 0.5)) is None:
+        if not usage and not stop and (error := _usage_error_since(cfg.run_dir, started)):
+            usage.append(error)
+            proc.send_signal(signal.SIGTERM)
     if stop:
-        # torchrun ends early when a second SIGTERM reaches it (SLURM signals every process of the step,
+        # torchrun ends early when a third SIGTERM reaches it (SLURM signals every process of the step,
         # and so does this launcher): the workers are still saving. Leaving now would let the scheduler
         # kill them; wait for them within the stop budget, as torchrun would have.
         left = _wait_for(workers, stop[0][1] + budget + 5)
@@ -381,6 +540,9 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     pumping.join(timeout=5)
     if rc == 0:
         return 0
+    if usage:
+        print(f"error: {usage[0]} (found by the workers; not retried)", file=sys.stderr)
+        return EXIT_USAGE
     since = stop[0][1] if stop else started
     if stop and _finished_since(cfg.run_dir, since):
         print("launch: the run finished before the stop took effect (exit 0)", file=sys.stderr)

@@ -1,0 +1,52 @@
+"""GPUs as schedulers hand them out: the device each rank uses, and allocated GPUs that do not work.
+
+No GPU here: what a CPU machine can show (the environment variables a scheduler sets, a real run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import clean_env, run_train
+from train import distributed
+from train.config import ConfigError
+
+
+def srun_task(local_id: int, tasks_per_node: int) -> distributed.DistEnv:
+    """What srun gives task `local_id` of a node with `tasks_per_node` tasks (2 nodes)."""
+    return distributed.detect({"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_PROCID": str(local_id),
+                               "SLURM_LOCALID": str(local_id), "SLURM_NTASKS": str(2 * tasks_per_node),
+                               "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x2)", "MASTER_ADDR": "n1"})
+
+
+def torchrun_worker(local_rank: int, per_node: int) -> distributed.DistEnv:
+    return distributed.detect({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(per_node),
+                               "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+def test_each_rank_uses_the_gpu_it_is_given():
+    # srun --gpus-per-task=1 (--gpu-bind): every task sees one device, while SLURM_LOCALID runs 0..3
+    assert [distributed.cuda_index(srun_task(i, 4), 1) for i in range(4)] == [0, 0, 0, 0]
+    # srun with every GPU of the node visible to every task: the local id picks one
+    assert [distributed.cuda_index(srun_task(i, 4), 4) for i in range(4)] == [0, 1, 2, 3]
+    # torchrun shows every rank all GPUs of the node
+    assert [distributed.cuda_index(torchrun_worker(i, 2), 2) for i in range(2)] == [0, 1]
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU: this node has 1"):
+        distributed.cuda_index(torchrun_worker(1, 2), 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows a machine where CUDA does not work")
+@pytest.mark.parametrize("allocation", ["CUDA_VISIBLE_DEVICES=0", "SLURM_GPUS_ON_NODE=1",
+                                        "NVIDIA_VISIBLE_DEVICES=GPU-1"])
+def test_allocated_gpus_that_cuda_cannot_use_fail_fast_in_one_line(tmp_path, allocation):
+    name, value = allocation.split("=")
+    proc = run_train(tmp_path, expect=2, env=clean_env(**{name: value}))
+    lines = proc.stderr.strip().splitlines()
+    start = f"error: GPUs were allocated ({allocation}) but CUDA is not usable"
+    assert len(lines) == 1 and lines[0].startswith(start), proc.stderr
+    assert "needs NVIDIA driver >= 580" in lines[0] and not (tmp_path / "checkpoints").exists()
+
+
+def test_no_allocation_trains_on_cpu(tmp_path):
+    run_train(tmp_path, "train.steps=2", env=clean_env(CUDA_VISIBLE_DEVICES="", NVIDIA_VISIBLE_DEVICES="void",
+                                                       SLURM_GPUS_ON_NODE="0"))

@@ -1,0 +1,138 @@
+"""Nodes on separate hosts (network namespaces, tests/hosts.py) that start in any order.
+
+Real launchers, torchrun agents and gloo workers; each host has its own address, hostname and /etc/hosts."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import PY, ROOT, TINY, clean_env, summary, train_losses
+
+
+def node(run_dir: Path, *launcher_args: str, overrides=TINY) -> list[str]:
+    return [PY, "-m", "train.launch", *launcher_args, "--", "--config", "configs/default.yaml", *overrides,
+            f"run.dir={run_dir}"]
+
+
+def wait(proc: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass  # make_hosts kills it; the assertion shows the log
+    return proc.returncode, log.read_text(errors="replace")
+
+
+def test_a_node_started_before_the_rendezvous_host_waits_for_its_name_and_port_then_trains(make_hosts, tmp_path):
+    """Node b starts first, when the rendezvous host's name (node-a, not a's hostname) does not resolve
+    on b; the name appears in b's /etc/hosts 8 s later, while nothing listens yet; node a starts 20 s
+    after b. Hostnames do not resolve across hosts at all: the nodes meet by the endpoint's name only."""
+    a, b = make_hosts("alpha", "beta", introduce=False)
+    a.knows("node-a", a.addr)
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=order"]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    pb = b.popen(node(run, *args), clean_env(), tmp_path / "b.log")
+    time.sleep(8)
+    b.knows("node-a", a.addr)
+    time.sleep(12)
+    assert pb.poll() is None, (tmp_path / "b.log").read_text()  # still waiting, not failed
+    pa = a.popen(node(run, *args), clean_env(), tmp_path / "a.log")
+    rc_a, log_a = wait(pa, tmp_path / "a.log")
+    rc_b, log_b = wait(pb, tmp_path / "b.log")
+    assert rc_a == 0 and rc_b == 0, f"a: {rc_a}\n{log_a[-3000:]}\nb: {rc_b}\n{log_b[-3000:]}"
+    assert "waiting up to 600 s for the rendezvous host: node-a does not resolve yet" in log_b
+    assert "waiting up to 600 s for the rendezvous host: node-a:29400 is not reachable yet (Connection refused)" \
+        in log_b
+    assert "launch: node-a:29400 is reachable" in log_b
+    s = summary(run)
+    assert s["steps"] == 6 and s["world_size"] == 2 and sorted(train_losses(run)) == list(range(1, 7))
+    assert time.monotonic() - started > 20
+
+
+def test_a_rendezvous_host_that_never_comes_ends_at_the_join_timeout_in_one_line(make_hosts, tmp_path):
+    (lonely,) = make_hosts("lonely")
+    proc = lonely.popen(node(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=nowhere:29400",
+                             "--rdzv-conf=join_timeout=3"), clean_env(), tmp_path / "log")
+    rc, log = wait(proc, tmp_path / "log", 60)
+    assert rc == 1, log
+    assert re.fullmatch(  # the resolver's words depend on the host's DNS set-up
+        r"error: the rendezvous host is not up after 3 s: nowhere does not resolve yet \([^)]+\); start the first "
+        r"node, check that its name resolves here and the port is open between nodes, or raise --rdzv-conf "
+        r"join_timeout=SECONDS", log.strip().splitlines()[-1]), log
+    assert "Traceback" not in log
+
+
+def test_a_bracketed_ipv6_endpoint_is_accepted(tmp_path):
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(node(tmp_path, "--nnodes=1", "--nproc-per-node=1", f"--rdzv-endpoint=[::1]:{port}"),
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--rdzv-endpoint=[::1]:{port}" in proc.stderr and summary(tmp_path)["steps"] == 6
+
+
+def test_every_rank_resumes_from_the_same_checkpoint_when_one_node_cannot_read_the_newest(make_hosts, tmp_path):
+    """Two nodes share the run folder; on node b the newest checkpoint reads back damaged (a truncated copy
+    mounted over it in b's own mount namespace: a stale or corrupt view on one node only). Both ranks
+    must resume from the previous checkpoint, and their replicas stay identical."""
+    a, b = make_hosts("node-a", "node-b")
+    run = tmp_path / "run"
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400"]
+    first = [*TINY, "train.steps=8", "checkpoint.every=4"]
+    pa = a.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "a1.log")
+    pb = b.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "b1.log")
+    assert wait(pa, tmp_path / "a1.log")[0] == 0 and wait(pb, tmp_path / "b1.log")[0] == 0
+    newest = run / "checkpoints" / "step_00000008.pt"
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(newest.read_bytes()[:1000])
+    second = [*TINY, "train.steps=12", "checkpoint.every=4"]
+    pa = a.popen(node(run, *args, "--rdzv-id=second", overrides=second), clean_env(), tmp_path / "a2.log")
+    on_b = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(damaged), str(newest),
+            *node(run, *args, "--rdzv-id=second", overrides=second)]
+    pb = b.popen(on_b, clean_env(), tmp_path / "b2.log")
+    rc_a, log_a = wait(pa, tmp_path / "a2.log")
+    rc_b, log_b = wait(pb, tmp_path / "b2.log")
+    assert rc_a == 0 and rc_b == 0, f"{log_a[-3000:]}\n{log_b[-3000:]}"
+    assert newest.stat().st_size > 1000  # the damage was only ever seen from node b
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "step_00000008.pt" in log and "all ranks trying the previous one" in log, log
+        assert f"resumed from {run / 'checkpoints' / 'step_00000004.pt'} at step 4" in log, log
+    s = summary(run)
+    assert s["steps"] == 12 and s["ranks_in_sync"], s
+
+
+def test_losing_the_rendezvous_host_ends_the_others_in_one_line_and_a_restart_resumes(make_hosts, tmp_path):
+    """Host a serves the rendezvous (its agent holds the c10d store) and is lost at once (every process on
+    it SIGKILLed). Node b cannot continue without the store: it ends within seconds, in one line, exit 1.
+    The scheduler's restart (both nodes again, the same rendezvous id) resumes from the latest checkpoint."""
+    a, b = make_hosts("node-a", "node-b")
+    run = tmp_path / "run"
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=lost",
+            "--max-restarts=2"]
+    long = [*TINY, "train.steps=40", "checkpoint.every=5", "dist.timeout_s=20"]
+    pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a1.log")
+    pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b1.log")
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoints" / "step_00000010.pt").exists():
+        assert time.monotonic() < deadline and pb.poll() is None, (tmp_path / "b1.log").read_text()[-3000:]
+        time.sleep(0.2)
+    lost_at = time.monotonic()
+    a.crash()
+    rc_b, log_b = wait(pb, tmp_path / "b1.log", 180)
+    took = time.monotonic() - lost_at
+    print(f"node b ended {took:.1f} s after node a was lost; its output:\n{log_b[-5000:]}")
+    assert rc_b == 1, log_b[-3000:]
+    assert log_b.strip().splitlines()[-1].startswith("error: the rendezvous host node-a:29400 was lost"), log_b[-3000:]
+    assert "Traceback" not in log_b and took < 90
+    pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a2.log")
+    pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b2.log")
+    rc_a, log_a = wait(pa, tmp_path / "a2.log")
+    rc_b, log_b = wait(pb, tmp_path / "b2.log")
+    assert rc_a == 0 and rc_b == 0, f"{log_a[-3000:]}\n{log_b[-3000:]}"
+    assert "resumed from" in log_a + log_b and summary(run)["steps"] == 40
