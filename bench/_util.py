@@ -38,6 +38,28 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def imagefolder(root: Path, per_class: int, classes: int = 10, size: int = 64) -> Path:
+    """An ImageFolder (train/ and val/) of random PNG files: what a user's own images look like on disk."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("val", max(2, per_class // 8))):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def spread(values: list[float]) -> dict:
+    """min, median and max of a figure measured once per round."""
+    import statistics
+
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def write_json(path: str | None, figures: dict) -> None:
     """Each benchmark's figures, for bench/run_all.py to put into BENCHMARKS.md."""
     if path:

@@ -1,10 +1,11 @@
-"""A minimal hand-written DDP loop: the baseline `python -m train` is measured against.
+"""The same math as `python -m train` in a minimal hand-written DDP loop: are the final weights bitwise equal?
 
     torchrun --nproc-per-node 2 bench/bare_ddp.py OUT_DIR key=value ...
 
 Same model, data (the project's data set and sampler), batch, optimizer, learning-rate schedule,
 precision (fp32) and seed as `python -m train` with the same overrides; nothing else: no logging, no
-checkpoints, no evaluation. Rank 0 writes OUT_DIR/model.pt and OUT_DIR/times.json (the wall clock
+checkpoints, no evaluation. (The speed baseline is bench/user_ddp.py, which uses nothing of this
+project.) Rank 0 writes OUT_DIR/model.pt and OUT_DIR/times.json (the wall clock
 after each step).
 """
 
@@ -33,7 +34,8 @@ sampler = data.ShardSampler(train_set, world, rank, cfg.seed)
 loader = DataLoader(train_set, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True,
                     num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
 net = model.build(cfg.model, classes, cfg.data.image_size)
-ddp = DDP(net)
+ddp = DDP(net, bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+          static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
 opt = optim.build(cfg.optim, net)
 assert cfg.accum_steps(world) == 1 and cfg.train.precision == "fp32", "the bare loop does the simple case only"
 

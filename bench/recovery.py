@@ -8,7 +8,9 @@ the time until the restarted group's first step into:
     restart     -> the new worker processes exist (the rest of the group stopped, rendezvous done)
     start-up    -> the checkpoint starts loading (imports, process group, data, model)
     load        checkpoint read, verified and loaded
-    first step  -> the first optimizer step after the restart is done
+    first step  -> the first optimizer step after the restart is done (on rank 0 this includes W&B's
+                start, offline by default: each repeat runs once with and once without W&B, in
+                alternating order, and both are reported)
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ def glog_time(line: str) -> float:
     return t.timestamp()
 
 
-def once(run_dir: Path, nproc: int, model: str, smoke: bool) -> dict[str, float]:
+def once(run_dir: Path, nproc: int, model: str, smoke: bool, extra: list[str]) -> dict[str, float]:
     sizes = ["data.image_size=16", "data.train_samples=256", "train.global_batch_size=16",
-             "train.micro_batch_size=8", "train.steps=20", *SMOKE_QUIET] if smoke else []
+             "train.micro_batch_size=8", "train.steps=20"] if smoke else []
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
-           "--config", "configs/default.yaml", *TINY, *sizes, f"model.name={model}", f"run.dir={run_dir}"]
+           "--config", "configs/default.yaml", *TINY, *sizes, *extra, f"model.name={model}", f"run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
@@ -105,18 +107,26 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="one repeat")
     p.add_argument("--json")
     args = p.parse_args()
+    # W&B as configured (offline by default) and W&B off; the smoke skips W&B's start altogether.
+    variants = {"": [], "no_wandb": ["log.wandb.mode=disabled"]}
     if args.smoke:
-        args.repeats = 1
-    runs = []
+        args.repeats, variants = 1, {"": SMOKE_QUIET}
+    runs = {v: [] for v in variants}
     for i in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
-            runs.append(once(Path(d) / "run", args.nproc, args.model, args.smoke))
-            print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in runs[-1].items()), flush=True)
-    print(f"\nrecovery after SIGKILL of rank 1 of {args.nproc} (gloo, CPU, {args.model}), median of {args.repeats}:")
-    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    for key, value in medians.items():
-        print(f"  {key:11s} {value:6.2f} s")
-    write_json(args.json, {f"recovery_{k.replace(' ', '_').replace('-', '_')}_s": v for k, v in medians.items()})
+        for variant in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
+            with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
+                runs[variant].append(once(Path(d) / "run", args.nproc, args.model, args.smoke, variants[variant]))
+            print(f"run {i + 1} ({'W&B off' if variant else 'W&B as configured'}): "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in runs[variant][-1].items()), flush=True)
+    figures = {}
+    for variant, rs in runs.items():
+        print(f"\nrecovery after SIGKILL of rank 1 of {args.nproc} (gloo, CPU, {args.model}), "
+              f"{'W&B off' if variant else 'W&B as configured'}, median of {args.repeats}:")
+        for key in rs[0]:
+            value = statistics.median(r[key] for r in rs)
+            print(f"  {key:11s} {value:6.2f} s")
+            figures[f"recovery_{key.replace(' ', '_').replace('-', '_')}{'_' + variant if variant else ''}_s"] = value
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

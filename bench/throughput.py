@@ -1,9 +1,11 @@
-"""CPU throughput: scaling from 1 to 2 processes, and the share of a step spent waiting for data.
+"""CPU throughput: one process against two on the same two cores, and the share of a step spent waiting for data.
 
     python bench/throughput.py [--steps 30] [--json OUT]
 
-Scaling: samples/s of the default job with 1 process (all cores) and with 2 gloo processes (one core
-each), the same global batch. Data: the share of the step spent waiting for the loader, for the
+Same cores, split two ways: samples/s of the default job with 1 process of 2 threads and with 2 gloo
+processes of 1 thread each, the same global batch on the same 2 cores. This is not scaling (no hardware
+is added): it shows what DDP's communication and a second process cost against intra-op threads.
+Data: the share of the step spent waiting for the loader, for the
 built-in data and for an ImageFolder of PNG files written here, at the default worker count.
 Figures are medians over the log windows after the first (start-up excluded).
 """
@@ -15,24 +17,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from _util import SMOKE_QUIET, run, torchrun, train_records, write_json
-from PIL import Image
+from _util import SMOKE_QUIET, imagefolder, run, torchrun, train_records, write_json
 
 
 def window_median(run_dir: Path, key: str) -> float:
     return statistics.median(r[key] for r in train_records(run_dir)[1:] or train_records(run_dir))
-
-
-def imagefolder(root: Path, per_class: int, classes: int = 10, size: int = 64) -> Path:
-    rng = np.random.default_rng(0)
-    for split, n in (("train", per_class), ("val", max(2, per_class // 8))):
-        for c in range(classes):
-            folder = root / split / f"class{c}"
-            folder.mkdir(parents=True)
-            for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return root
 
 
 def main() -> None:
