@@ -36,17 +36,25 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def train_cmd(run_dir: Path, *overrides: str, nproc: int = 1, tiny: bool = True) -> list[str]:
+# `python -m train` with a model whose every forward draws from torch's, numpy's and Python's global
+# generators (tests/rng_draws.py): a resume that skips or mixes up restoring them changes the weights.
+RNG_DRAWS = ("tests/rng_draws.py",)
+
+
+def train_cmd(run_dir: Path, *overrides: str, nproc: int = 1, tiny: bool = True,
+              entry: tuple[str, ...] = ("-m", "train")) -> list[str]:
     args = ["--config", "configs/default.yaml", *(TINY if tiny else []), f"run.dir={run_dir}", *overrides]
     if nproc == 1:
-        return [PY, "-m", "train", *args]
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *args]
+        return [PY, *entry, *args]
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
 
 
 def run_train(run_dir: Path, *overrides: str, nproc: int = 1, expect: int | None = 0, timeout: float = 300,
-              tiny: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+              tiny: bool = True, env: dict | None = None,
+              entry: tuple[str, ...] = ("-m", "train")) -> subprocess.CompletedProcess:
     """Run training to the end; assert its exit code (unless expect is None)."""
-    proc = subprocess.run(train_cmd(run_dir, *overrides, nproc=nproc, tiny=tiny), cwd=ROOT, env=env or clean_env(),
+    proc = subprocess.run(train_cmd(run_dir, *overrides, nproc=nproc, tiny=tiny, entry=entry), cwd=ROOT,
+                          env=env or clean_env(),
                           capture_output=True, text=True, timeout=timeout)
     if expect is not None:
         assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -62,7 +70,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
+    """{step: loss} of the training lines. The lines themselves must hold each step once, in order: a dict
+    alone would hide a step logged twice (a resume that appends instead of truncating)."""
+    lines = [(m["step"], m["loss"]) for m in metrics(run_dir) if "loss" in m]
+    steps = [step for step, _ in lines]
+    assert steps == sorted(set(steps)), f"metrics.jsonl holds steps twice or out of order: {steps}"
+    return dict(lines)
 
 
 def latest_state(run_dir: Path) -> dict:

@@ -11,15 +11,25 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd, train_losses
+from tests.conftest import (
+    RNG_DRAWS,
+    ROOT,
+    clean_env,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_cmd,
+    train_losses,
+)
 from train import checkpoint, config, model
 
 # 40 steps of 16 over 256 samples: 16 steps an epoch, so step 21 is 5 steps into the second epoch.
 LONG = ["train.steps=40"]
 
 
-def start(run_dir, *overrides, nproc=1):
-    return subprocess.Popen(train_cmd(run_dir, *overrides, nproc=nproc), cwd=ROOT, env=clean_env(),
+def start(run_dir, *overrides, nproc=1, entry=("-m", "train")):
+    return subprocess.Popen(train_cmd(run_dir, *overrides, nproc=nproc, entry=entry), cwd=ROOT, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -41,10 +51,12 @@ def assert_same_weights(a: dict, b: dict):
 
 
 def test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact(tmp_path):
+    """The model draws from torch's, numpy's and Python's generators every step (RNG_DRAWS), so the resume
+    is exact only if every rank gets its own generator states back."""
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    run_train(ref, *LONG, nproc=2)
+    run_train(ref, *LONG, nproc=2, entry=RNG_DRAWS)
 
-    proc = start(cut, *LONG, nproc=2)
+    proc = start(cut, *LONG, nproc=2, entry=RNG_DRAWS)
     wait_for_step(cut, 21, proc)
     proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which passes it on to the workers
     out, _ = proc.communicate(timeout=30)  # inside torchrun's 30 s grace period
@@ -53,7 +65,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact(tmp_path):
     assert "stopped on SIGTERM" in out
     assert not (cut / "summary.json").exists()
 
-    run_train(cut, *LONG, nproc=2)  # the same command again continues the run
+    run_train(cut, *LONG, nproc=2, entry=RNG_DRAWS)  # the same command again continues the run
     assert_same_weights(latest_state(ref)["model"], latest_state(cut)["model"])
     assert_same_weights(latest_state(ref)["optimizer"]["state"][0], latest_state(cut)["optimizer"]["state"][0])
     assert train_losses(ref) == train_losses(cut)  # step for step, every step exactly once

@@ -221,7 +221,12 @@ def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainS
     if len(train_set) < micro * world_size:
         raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one micro-batch "
                           f"on every rank ({micro} x {world_size})")
-    opts = {"num_workers": d.num_workers, "pin_memory": d.pin_memory and cuda}
+    # Every new loader iterator (each epoch, each evaluation) draws a worker seed from its generator:
+    # from torch's global one unless given its own, which would shift what the training draws from it
+    # (dropout, a user's augmentation) by a different amount in a resumed run than in an uninterrupted
+    # one. The samples never depend on that seed (each is seeded by its (index, epoch)).
+    opts = {"num_workers": d.num_workers, "pin_memory": d.pin_memory and cuda,
+            "generator": torch.Generator().manual_seed(cfg.seed + rank)}
     if d.num_workers > 0:
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
                  "worker_init_fn": _ignore_stop_signals}

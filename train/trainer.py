@@ -216,6 +216,12 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
     step_model = torch.compile(ddp) if cfg.train.compile else ddp
+    # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
+    # augmentation), as different samples on different GPUs should; a resume restores each rank's states.
+    rank_seed = cfg.seed + 1_000_003 * (denv.rank + 1)
+    random.seed(rank_seed)
+    np.random.seed(rank_seed % 2**32)
+    torch.manual_seed(rank_seed)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     return Parts(cfg=cfg, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
