@@ -56,16 +56,37 @@ def test_accumulation_skips_the_all_reduce_with_two_ranks(tmp_path):
     assert _all_reduces(plain) >= 4 and _all_reduces(accum) == _all_reduces(plain)
 
 
-def test_bf16_runs_on_cpu_with_clipping(tmp_path):
-    run_train(tmp_path, "train.precision=bf16", "train.grad_clip=1.0", nproc=2)
+def _traced_ops(run_dir) -> list[tuple[str, list]]:
+    """(op name, input types) of rank 0's traced steps, in the order they ran."""
+    (trace,) = (run_dir / "profile").glob("rank0.*.json")
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"),
+                    key=lambda e: e["ts"])
+    return [(e["name"], e.get("args", {}).get("Input type", [])) for e in events]
+
+
+@pytest.mark.parametrize("precision,dtype,nproc", [("bf16", "c10::BFloat16", 2), ("fp16", "c10::Half", 1)])
+def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(tmp_path, precision, dtype, nproc):
+    """The convolutions really run in bf16/fp16 (the profiler records their input types), and the gradients
+    are clipped only after the loss scaler divided them back (fp16: clipping the scaled gradients to 1.0
+    would shrink every step by the scale, 65536)."""
+    traced = ["profile.enabled=true", "profile.wait=1", "profile.warmup=0", "profile.active=1"]
+    tiny = ["data.image_size=8", "train.steps=3"] if precision == "fp16" else []  # fp16 convolutions are slow on CPU
+    run_train(tmp_path, f"train.precision={precision}", "train.grad_clip=1.0", *traced, *tiny, nproc=nproc)
     s = summary(tmp_path)
-    assert s["precision"] == "bf16" and math.isfinite(s["train_loss"]) and math.isfinite(s["eval_loss"])
+    assert s["precision"] == precision and math.isfinite(s["train_loss"]) and math.isfinite(s["eval_loss"])
+    ops = _traced_ops(tmp_path)
+    convs = [types[0] for name, types in ops if name == "aten::convolution"]
+    assert convs and all(t == dtype for t in convs), convs  # forward and backward
+    names = [name for name, _ in ops]
+    assert "aten::_foreach_norm" in names  # clip_grad_norm_ ran
+    if precision == "fp16":
+        assert names.index("aten::_amp_foreach_non_finite_check_and_unscale_") < names.index("aten::_foreach_norm")
 
 
 def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
     """The reported accuracy is that of the whole eval set, recomputed here from the final weights."""
-    run_train(tmp_path, *GROUPNORM, "data.eval_samples=200", "train.steps=12", "optim.lr=0.05", nproc=2)
-    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.eval_samples=200", *GROUPNORM])
+    run_train(tmp_path, *GROUPNORM, "data.eval_samples=201", "train.steps=12", "optim.lr=0.05", nproc=2)
+    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.eval_samples=201", *GROUPNORM])
     _, eval_set, classes = data.datasets(cfg)
     net = model.build(cfg.model, classes, cfg.data.image_size)
     net.load_state_dict(latest_state(tmp_path)["model"])
@@ -78,7 +99,10 @@ def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
     whole = sum(correct) / len(correct)
     rank0_shard = sum(correct[0::2]) / len(correct[0::2])
     assert summary(tmp_path)["eval_accuracy"] == pytest.approx(whole, abs=1.5 / len(correct))
-    assert len(correct) == 200  # and not rank 0's 100 samples alone
+    assert len(correct) == 201
+    # a count over exactly the 201 samples: not rank 0's 101 alone, nor 202 with a sample padded in
+    acc = summary(tmp_path)["eval_accuracy"]
+    assert 0 < acc < 1 and acc == round(acc * 201) / 201, acc
     print(f"whole set {whole:.3f}, rank 0's shard alone {rank0_shard:.3f}")
 
 
