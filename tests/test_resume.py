@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import time
+import zlib
 
 import pytest
 import torch
@@ -99,9 +101,12 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
                 break
             time.sleep(0.005)
         proc.wait()
-        if proc.returncode == -signal.SIGKILL:
+        # the kill landed mid-save only if the save's temporary file is still there (it may have been renamed
+        # between the look and the kill: then try again)
+        if proc.returncode == -signal.SIGKILL and any(".tmp" in p.name for p in ckpts.iterdir()):
             break
     assert proc.returncode == -signal.SIGKILL
+    assert any(".tmp" in p.name for p in ckpts.iterdir()), "the kill never landed during a save"
     name = (ckpts / "latest").read_text().strip()
     state = checkpoint.read_checkpoint(ckpts / name)  # verifies the CRC, loads with weights_only
     assert state["step"] >= 1
@@ -123,6 +128,47 @@ def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage):
     assert any("checksum" in w and "trying the previous one" in w for w in warnings), proc.stdout + proc.stderr
     assert f"resumed from {ckpts / 'step_00000004.pt'} at step 4" in proc.stdout
     assert summary(tmp_path)["steps"] == 8
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a planted checkpoint would do to a plain torch.load."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _forge(path, payload: bytes) -> None:
+    """Give a checkpoint new bytes and a .json that matches them: it passes the size and CRC check."""
+    path.write_bytes(payload)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    meta.update(bytes=len(payload), crc32=zlib.crc32(payload))
+    path.with_suffix(".json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("content", ["not a checkpoint", "a pickle that runs code"])
+def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed(tmp_path, content):
+    run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
+    ckpts, marker = tmp_path / "checkpoints", tmp_path / "pwned"
+    if content == "not a checkpoint":
+        payload = b"PK\x03\x04" + os.urandom(4096)  # a zip's magic, then nothing torch can read
+    else:
+        buf = io.BytesIO()
+        torch.save({"model": _Payload(marker), "step": 6}, buf)
+        payload = buf.getvalue()
+    _forge(ckpts / "step_00000006.pt", payload)
+    # asked for by path, a checkpoint that does not load is a usage error in one line
+    proc = run_train(tmp_path / "branch", f"resume={ckpts / 'step_00000006.pt'}", expect=2)
+    assert f"no loadable checkpoint at {ckpts / 'step_00000006.pt'}" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "branch" / "metrics.jsonl").exists()
+    # found by resume=auto, it is skipped for the one before
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8")
+    out = proc.stdout + proc.stderr
+    assert "step_00000006.pt does not load" in out and "trying the previous one" in out, out
+    assert f"resumed from {ckpts / 'step_00000004.pt'} at step 4" in proc.stdout
+    assert not marker.exists()  # loaded with weights_only: the payload never ran
 
 
 def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path):
