@@ -16,11 +16,19 @@ from train import config, data, model
 GROUPNORM = ["model.norm=group", "optim.lr=0.005"]
 
 
-def _close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
+def _close(a: dict, b: dict, rtol: float = 0.05) -> None:
+    """a and b trained the same: each tensor differs by less than rtol of how far training moved it from
+    the initial weights. Float rounding differs with the batch split (CPU kernels pick other algorithms for
+    other batch sizes; seen here: up to 0.6% after 6 steps), while a wrong average (a sum, a rank's own
+    gradient, a missed micro-batch) moves the weights differently by tens of percent."""
+    cfg = config.load("configs/default.yaml", ["data.image_size=16", *GROUPNORM])
+    torch.manual_seed(cfg.seed)  # as the trainer does before it builds the model
+    init = model.build(cfg.model, cfg.data.num_classes, cfg.data.image_size).state_dict()
+    assert a.keys() == b.keys() == init.keys()
     for k in a:
         if a[k].is_floating_point():
-            torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=f"{k} differs")
+            moved = (a[k] - init[k]).norm()
+            assert moved > 0 and (a[k] - b[k]).norm() <= rtol * moved, f"{k} differs"
 
 
 def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
