@@ -379,3 +379,40 @@ def test_a_terminal_of_unknown_size_still_shows_the_bar(tmp_path):
                                 obs_env(tmp_path, TERM="xterm"), rows=0, cols=0)
     assert code == 0, out[-3000:]
     assert re.search(r"2/2 \[.*loss [\d.]+, [\d.]+ samples/s", out), out[-3000:]
+
+
+def test_wandb_continues_one_run_across_a_torchrun_restart_and_a_requeue(tmp_path):
+    """A worker SIGKILLed (torchrun restarts the group from the last checkpoint), then a stop relaunched as a
+    requeue would be: one W&B run in three offline pieces, each logging from the step it resumed at, the
+    steps after the checkpoint logged again with the values of the first time (the resume is exact)."""
+    from tests.test_stops import finish, launch, logged_steps, wait_for, workers
+
+    run_dir = tmp_path / "run"
+    every = ["train.steps=30", "checkpoint.every=4", "log.wandb.mode=offline"]
+    proc = launch(run_dir, *every, launcher=("--nproc-per-node=2", "--max-restarts=1"))
+    wait_for(lambda: max(logged_steps(run_dir), default=0) >= 10, 180, "step 10")
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    wait_for(lambda: len(offline_runs(run_dir)) == 2 and max(logged_steps(run_dir), default=0) >= 18, 240,
+             "the restarted group at step 18")
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    rc, out, err = finish(launch(run_dir, *every))  # the requeued job
+    assert rc == 0, err[-3000:]
+
+    run_id = summary(run_dir)["wandb_run_id"]
+    pieces = offline_runs(run_dir)
+    assert len(pieces) == 3 and all(p.name.endswith(f"-{run_id}") for p in pieces), pieces
+    logged = [[(h["step"], h["train/loss"]) for h in wandb_history(wandb_records(p / f"run-{run_id}.wandb"))
+               if "train/loss" in h] for p in pieces]
+    steps = [[s for s, _ in piece] for piece in logged]
+    for piece in steps:
+        assert piece == list(range(piece[0], piece[-1] + 1)), steps  # each piece logs consecutive steps
+    assert steps[0][0] == 1 and steps[2][-1] == 30
+    assert (steps[1][0] - 1) % 4 == 0 and steps[1][0] <= steps[0][-1] + 1  # from the checkpoint before the kill
+    assert steps[2][0] == steps[1][-1] + 1  # the stop saved the step it stopped at
+    first = {}
+    for piece in logged:
+        for step, loss in piece:
+            assert first.setdefault(step, loss) == loss, f"step {step} logged again with another loss"
+    assert sorted(first) == list(range(1, 31))
