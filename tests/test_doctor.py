@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 
 from tests.conftest import PY, ROOT, clean_env
+from tests.multinode import required
 
 HOST = socket.gethostname()
 
@@ -68,3 +71,26 @@ def test_a_failing_doctor_stops_the_launch_before_training(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
     assert proc.stdout.count("not writable") == 1  # one row: the node's first rank checks the folder
+
+
+def test_too_little_shm_and_no_room_for_the_checkpoints_fail_with_the_fix(tmp_path):
+    """A 64 MiB /dev/shm (Docker's default) and a run directory on a 16 MiB file system, both real tmpfs
+    mounts in a mount namespace of the doctor's own."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        required("root and unshare", "the test mounts small tmpfs file systems in a mount namespace")
+    small = tmp_path / "small"
+    small.mkdir()
+    mounts = f'mount -t tmpfs -o size=64m tmpfs /dev/shm && mount -t tmpfs -o size=16m tmpfs "{small}" && exec "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mounts, "sh",
+           PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--", f"run.dir={small}/run",
+           "checkpoint.keep=3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    table = rows(proc.stdout)
+    shm = table["/dev/shm"][0]
+    assert "FAIL" in shm and "0.1 GiB (< 1 GiB" in shm and "docker --shm-size=8g" in shm, shm
+    ckpt = table["checkpoint-dir"][0]
+    assert "FAIL" in ckpt and "that checkpoint.keep=3 needs: free space or lower checkpoint.keep" in ckpt, ckpt
+    assert "correct on 2/2 ranks" in table["all-reduce"][0]  # the rest of the table is still there
+    assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
+    assert not (small / "run" / "metrics.jsonl").exists()  # nothing trained
