@@ -20,6 +20,9 @@ import pytest
 import torch
 
 from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+from tests.hosts import Hosts
+from tests.hosts import _usable as hosts_unusable
+from tests.multinode import required
 
 SBATCH = ROOT / "slurm" / "train.sbatch"
 CLUSTER = ROOT / "slurm" / "local-cluster.sh"
@@ -30,41 +33,130 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 OVR = [*TINY, "train.steps=16", "dist.timeout_s=60"]
 
 
-def _nodes_idle() -> int:
-    try:
-        out = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %t"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.split()[-1:] in (["idle"], ["mix"], ["alloc"]))
+CONF = """ClusterName=ddphosts
+SlurmctldHost={ctl.name}({ctl.addr})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={state}/munge.socket,cred_expire=10
+StateSaveLocation={state}/ctld
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmctldLogFile={state}/log/slurmctld.log
+SlurmdPidFile={state}/slurmd.%n.pid
+SlurmdSpoolDir={state}/spool/%n
+SlurmdLogFile={state}/log/slurmd.%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+MinJobAge=600
+SlurmdTimeout=60
+InactiveLimit=0
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=2
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmHosts:
+    """A SLURM cluster of real hosts (tests/hosts.py): host `slurm` runs slurmctld and is the login node
+    the tests submit from; hosts n1 and n2 each run one slurmd under their own hostname and address, so a
+    job's nodes are separate hosts (`scontrol show hostnames`, the rendezvous endpoint and MASTER_ADDR
+    name another host). The file system is shared as on a cluster. Everything is its own: a munged on
+    its own socket and key, a config in `state` (SLURM_CONF), default ports inside the namespaces, so
+    nothing on this machine (an /etc/slurm cluster, the system's munged) is touched or in the way."""
+
+    NODES = ("n1", "n2")
+
+    def __init__(self, state: Path):
+        self.state = state
+        self.conf = state / "slurm.conf"
+        self.hosts: Hosts | None = None
+
+    @property
+    def ctl(self):
+        return self.hosts[0]
+
+    def env(self, env: dict | None = None) -> dict:
+        return (env if env is not None else clean_env()) | {"SLURM_CONF": str(self.conf)}
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """argv run on the login node."""
+        return self.ctl.argv(argv)
+
+    def run(self, argv: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        return self.ctl.run(argv, env=self.env(env), timeout=timeout)
+
+    def up(self) -> None:
+        self.hosts = Hosts(("slurm", *self.NODES))
+        st = self.state
+        for d in ("ctld", "log", *(f"spool/{n}" for n in self.NODES)):
+            (st / d).mkdir(parents=True, exist_ok=True)
+        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 State=UNKNOWN" for h in self.hosts[1:])
+        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes))
+        # munge: a key of its own (owned by root, who runs everything here), its socket on the shared
+        # file system, reached from every host as munge's socket is on a cluster node.
+        key = st / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        env = self.env()
+        log = st / "log"
+        self._daemon(self.ctl, ["munged", "-F", "--force", f"--socket={st}/munge.socket", f"--key-file={key}",
+                                f"--pid-file={st}/munged.pid", f"--seed-file={st}/munged.seed",
+                                f"--log-file={log}/munged.log"])
+        self._daemon(self.ctl, ["slurmctld", "-D", "-c"])  # -c: fresh state
+        for h in self.hosts[1:]:  # slurmd finds its NodeName from its hostname, as on a cluster
+            self._daemon(h, ["slurmd", "-D"])
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            out = self.run(["sinfo", "-N", "-h", "-o", "%N %t"], timeout=30).stdout.split()
+            if out[1::2] == ["idle"] * len(self.NODES):
+                return
+            time.sleep(0.5)
+        logs = "".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted(log.glob("*")))
+        raise AssertionError(f"the SLURM nodes did not become idle in 120 s: {out}\n{logs}")
+
+    def _daemon(self, host, argv: list[str]) -> None:
+        """A daemon in the foreground on host, seeing this machine's cgroups (slurmd needs them); the host's
+        removal kills it."""
+        with (self.state / "log" / f"{argv[0]}.{host.name}.out").open("w") as out:
+            host.procs.append(subprocess.Popen(host.argv_with_sys(argv), env=self.env(), stdout=out,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+
+    def down(self) -> None:
+        """Every daemon and job process dies with its host (tests/hosts.py removes them)."""
+        if self.hosts is not None:
+            self.hosts.remove()
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
-    """A SLURM cluster with at least two nodes: one that answers, or one started here (and stopped)."""
-    in_ci = os.environ.get("CI", "").lower() == "true"
+def slurm_cluster(tmp_path_factory):
+    """The cluster of SlurmHosts, started here and removed at the end, whatever happens."""
     missing = [b for b in NEEDED if shutil.which(b) is None]
     if missing:
-        reason = f"SLURM is not installed ({', '.join(missing)} missing): {INSTALL}"
-        if in_ci:
-            pytest.fail(f"CI=true but {reason}")
-        pytest.skip(reason)
-    if _nodes_idle() >= 2:
-        yield
-        return
-    if os.geteuid() != 0:
-        reason = "no SLURM cluster answers, and starting one on this machine needs root (make slurm-local-up)"
-        if in_ci:
-            pytest.fail(reason)
-        pytest.skip(reason)
+        required("SLURM", f"not installed ({', '.join(missing)} missing): {INSTALL}")
+    if why := hosts_unusable():
+        required("SLURM on real hosts (network namespaces)", why)
+    cluster = SlurmHosts(tmp_path_factory.mktemp("slurm"))
     t0 = time.time()
-    up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=180,
-                        env=clean_env(NODES="2"))
-    assert up.returncode == 0, f"slurm/local-cluster.sh up failed:\n{up.stdout}\n{up.stderr}"
-    print(f"\nlocal SLURM cluster up in {time.time() - t0:.1f} s", file=sys.stderr)
     try:
-        yield
+        cluster.up()
+        print(f"\nSLURM cluster on real hosts up in {time.time() - t0:.1f} s", file=sys.stderr)
+        yield cluster
     finally:
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
+        cluster.down()
 
 
 # ---------------------------------------------------------------- helpers
