@@ -1,9 +1,11 @@
-"""SLURM: slurm/train.sbatch and python -m train.submit (submitit) against real SLURM daemons.
+"""SLURM: slurm/train.sbatch and python -m train.submit (submitit) against real SLURM daemons on real hosts.
 
-A session fixture brings up a 2-node cluster on this machine with slurm/local-cluster.sh (munge,
-slurmctld, `slurmd -N n1`, `slurmd -N n2`, all on 127.0.0.1) unless one already answers, and stops what
-it started at the end. Without the SLURM packages the cluster tests skip, except under CI (CI=true),
-where they fail: .ci/run installs the packages."""
+A session fixture brings up a cluster of three hosts (tests/hosts.py: network namespaces, each with its own
+hostname, address and /etc/hosts, the file system shared): `slurm` runs slurmctld and is the login node
+the tests submit from, `n1` and `n2` run one slurmd each. Its config, munged and state are its own, so an
+installed cluster is neither used nor disturbed; everything is removed at the end. Without the SLURM
+packages or root the cluster tests skip saying why, except under CI (CI=true), where they fail: .ci/run
+installs the packages and runs as root."""
 
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from tests.hosts import _usable as hosts_unusable
 from tests.multinode import required
 
 SBATCH = ROOT / "slurm" / "train.sbatch"
-CLUSTER = ROOT / "slurm" / "local-cluster.sh"
 NEEDED = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged")
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -111,7 +112,6 @@ class SlurmHosts:
         key = st / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        env = self.env()
         log = st / "log"
         self._daemon(self.ctl, ["munged", "-F", "--force", f"--socket={st}/munge.socket", f"--key-file={key}",
                                 f"--pid-file={st}/munged.pid", f"--seed-file={st}/munged.seed",
@@ -161,26 +161,26 @@ def slurm_cluster(tmp_path_factory):
 
 # ---------------------------------------------------------------- helpers
 
-def job_info(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+def job_info(cluster: SlurmHosts, job_id: str) -> dict[str, str]:
+    out = cluster.run(["scontrol", "show", "job", "-o", job_id], timeout=30)
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
-def wait_job(job_id: str, timeout: float = 300) -> dict[str, str]:
+def wait_job(cluster: SlurmHosts, job_id: str, timeout: float = 300) -> dict[str, str]:
     """Poll until the job ends. A requeued job starts again after the cluster's cred_expire (10 s with
     slurm/local-cluster.sh); `scontrol update StartTime=now` before that gets it killed ("Job
     credential revoked"), so the tests wait."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        info = job_info(job_id)
+        info = job_info(cluster, job_id)
         if info.get("JobState", "") in TERMINAL:
             return info
         time.sleep(0.5)
-    subprocess.run(["scancel", job_id], capture_output=True)
-    raise AssertionError(f"job {job_id} did not end in {timeout} s: {job_info(job_id)}")
+    cluster.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not end in {timeout} s: {job_info(cluster, job_id)}")
 
 
-def wait_steps(run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None:
+def wait_steps(cluster: SlurmHosts, run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -188,8 +188,8 @@ def wait_steps(run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None
                 return
         except (OSError, ValueError):
             pass
-        if job_info(job_id).get("JobState") in TERMINAL:
-            raise AssertionError(f"job {job_id} ended before step {n}: {job_info(job_id)}")
+        if (info := job_info(cluster, job_id)).get("JobState") in TERMINAL:
+            raise AssertionError(f"job {job_id} ended before step {n}: {info}")
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not reach step {n} in {timeout} s")
 
@@ -200,11 +200,11 @@ def job_env(**extra: str) -> dict[str, str]:
     return clean_env(PYTHON=PY, NPROC_PER_NODE="1", **extra)
 
 
-def sbatch(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
+def sbatch(cluster: SlurmHosts, tmp_path: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
+    """slurm/train.sbatch submitted from the login node, from this checkout."""
     out = tmp_path / "slurm-%j.out"
-    proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
-                           str(SBATCH), *args], cwd=ROOT, env=env or job_env(), capture_output=True, text=True,
-                          timeout=60)
+    proc = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+                        str(SBATCH), *args], env=env or job_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     return job_id, tmp_path / f"slurm-{job_id}.out"
@@ -226,11 +226,11 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cleanup_jobs():
+def cleanup_jobs(slurm_cluster):
     jobs: list[str] = []
     yield jobs
     for j in jobs:
-        subprocess.run(["scancel", j], capture_output=True)
+        slurm_cluster.run(["scancel", j])
 
 
 # ---------------------------------------------------------------- no cluster needed
@@ -294,27 +294,50 @@ def test_sbatch_container_wiring(slurm_cluster):
     assert "--kill-on-bad-exit=1" in appt.stdout and "rendezvous n1:20770 id 77" in appt.stderr
 
 
+def test_job_nodes_are_separate_hosts(slurm_cluster, tmp_path, cleanup_jobs):
+    """What a job's two tasks see: their own hostname and address, and the other node's name resolving to
+    the other host's address (no name of the emulation's 127.0.0.1 left)."""
+    out = tmp_path / "hosts-%j.out"
+    task = ('echo "task $SLURM_NODEID on $(hostname) at $(hostname -I | tr -d " ") '
+            'sees $(getent hosts n1 n2 | tr -s " \\n" " ")"')
+    proc = slurm_cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+                              "--wrap", f"echo nodes $(scontrol show hostnames | tr '\\n' ' '); srun sh -c '{task}'"])
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    cleanup_jobs.append(job_id)
+    info = wait_job(slurm_cluster, job_id, timeout=120)
+    log = (tmp_path / f"hosts-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log
+    n1, n2 = slurm_cluster.hosts[1:]
+    both = f"{n1.addr} n1 {n2.addr} n2"
+    assert "nodes n1 n2" in log, log
+    assert f"task 0 on n1 at {n1.addr} sees {both}" in log and f"task 1 on n2 at {n2.addr} sees {both}" in log, log
+
+
 def test_sbatch_two_nodes_match_local_torchrun(slurm_cluster, reference, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    job_id, out = sbatch(tmp_path, *OVR, f"run.dir={run_dir}")
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, f"run.dir={run_dir}")
     cleanup_jobs.append(job_id)
-    info = wait_job(job_id)
+    info = wait_job(slurm_cluster, job_id)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     assert info["Restarts"] == "0" and "train.sbatch: done" in log
     assert "--rdzv-endpoint=n1:" in log and f"--rdzv-id={job_id}" in log
+    # Each node's launcher gives torchrun its own address (what the others reach it at): two hosts.
+    n1, n2 = slurm_cluster.hosts[1:]
+    assert f"--local-addr={n1.addr} " in log and f"--local-addr={n2.addr} " in log, log[-5000:]
     assert summary(run_dir)["world_size"] == 2 and summary(run_dir)["steps"] == 16
     same_weights(run_dir, reference)
 
 
 def test_sbatch_warning_signal_checkpoints_requeues_and_resumes(slurm_cluster, reference, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    job_id, out = sbatch(tmp_path, *OVR, f"run.dir={run_dir}")
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, f"run.dir={run_dir}")
     cleanup_jobs.append(job_id)
-    wait_steps(run_dir, 3, job_id)
+    wait_steps(slurm_cluster, run_dir, 3, job_id)
     # What --signal=B:USR1@SECONDS does before the time limit: USR1 to the batch shell only.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-    info = wait_job(job_id)
+    assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30).returncode == 0
+    info = wait_job(slurm_cluster, job_id)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     assert info["Restarts"] == "1", info
@@ -330,9 +353,9 @@ def test_sbatch_warning_signal_checkpoints_requeues_and_resumes(slurm_cluster, r
 
 
 def test_sbatch_bad_config_is_one_line_and_not_requeued(slurm_cluster, tmp_path, cleanup_jobs):
-    job_id, out = sbatch(tmp_path, env=job_env(CONFIG="configs/missing.yaml"))
+    job_id, out = sbatch(slurm_cluster, tmp_path, env=job_env(CONFIG="configs/missing.yaml"))
     cleanup_jobs.append(job_id)
-    info = wait_job(job_id, timeout=120)
+    info = wait_job(slurm_cluster, job_id, timeout=120)
     log = out.read_text()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", log
     assert "error: config file not found: configs/missing.yaml" in log
@@ -344,8 +367,8 @@ def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_p
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
            *OVR, f"run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
         m = re.match(r"submitted job (\d+): 2 node\(s\)", first)
@@ -356,11 +379,11 @@ def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_p
         assert logs.startswith(f"logs: {run_dir / 'submitit' / job_id}_0_log.out"), logs
         submission = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
         assert "#SBATCH --signal=TERM@" in submission and "#SBATCH --nodes=2" in submission
-        wait_steps(run_dir, 3, job_id)
+        wait_steps(slurm_cluster, run_dir, 3, job_id)
         # What SLURM does on submitit's timeout signal (and submitit's own Job._interrupt()): SIGTERM to
         # every process of the job step.
-        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
-        info = wait_job(job_id)
+        assert slurm_cluster.run(["scancel", "--signal=TERM", job_id], timeout=30).returncode == 0
+        info = wait_job(slurm_cluster, job_id)
         rest, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
