@@ -279,6 +279,7 @@ def test_sbatch_container_wiring(slurm_cluster):
     """pyxis and Apptainer command lines (no container runtime here: DRY_RUN prints the srun command)."""
     base = clean_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2", DRY_RUN="1",
                      SLURM_SUBMIT_DIR=str(ROOT), CONTAINER_IMAGE="registry/ddp-template:0.1.0")
+    base = slurm_cluster.env(base)  # scontrol (show hostnames) reads the test cluster's config
     runs = ROOT / "runs"
     pyxis = subprocess.run(["bash", str(SBATCH), "train.steps=5"], env=base | {"CONTAINER_RUNTIME": "pyxis"},
                            capture_output=True, text=True, timeout=60)
