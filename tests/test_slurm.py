@@ -101,7 +101,10 @@ class SlurmHosts:
         return self.ctl.run(argv, env=self.env(env), timeout=timeout)
 
     def up(self) -> None:
-        self.hosts = Hosts(("slurm", *self.NODES))
+        try:
+            self.hosts = Hosts(("slurm", *self.NODES))
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:  # e.g. root without CAP_NET_ADMIN
+            required("SLURM on real hosts (network namespaces)", str(e))
         st = self.state
         for d in ("ctld", "log", *(f"spool/{n}" for n in self.NODES)):
             (st / d).mkdir(parents=True, exist_ok=True)
