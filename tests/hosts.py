@@ -63,6 +63,13 @@ class Host:
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.name, *argv]
 
+    def argv_with_sys(self, argv: list[str]) -> list[str]:
+        """argv run inside this host like argv(), but seeing this machine's /sys: `ip netns exec` mounts a
+        /sys of the namespace's own, without /sys/fs/cgroup, and slurmd refuses to start without cgroups."""
+        return ["unshare", "--mount", "--uts", "sh", "-c",
+                'mount --bind "$1" /etc/hosts && hostname "$2" && ns=$3 && shift 3 && exec nsenter --net="$ns" "$@"',
+                self.name, str(self.hosts_file), self.name, f"/run/netns/{self.netns}", *argv]
+
     def popen(self, argv: list[str], env: dict, log: Path, **kw) -> subprocess.Popen:
         """Start argv on this host in a session of its own, stdout and stderr into log."""
         with log.open("w") as out:

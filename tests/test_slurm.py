@@ -1,9 +1,11 @@
-"""SLURM: slurm/train.sbatch and python -m train.submit (submitit) against real SLURM daemons.
+"""SLURM: slurm/train.sbatch and python -m train.submit (submitit) against real SLURM daemons on real hosts.
 
-A session fixture brings up a 2-node cluster on this machine with slurm/local-cluster.sh (munge,
-slurmctld, `slurmd -N n1`, `slurmd -N n2`, all on 127.0.0.1) unless one already answers, and stops what
-it started at the end. Without the SLURM packages the cluster tests skip, except under CI (CI=true),
-where they fail: .ci/run installs the packages."""
+A session fixture brings up a cluster of three hosts (tests/hosts.py: network namespaces, each with its own
+hostname, address and /etc/hosts, the file system shared): `slurm` runs slurmctld and is the login node
+the tests submit from, `n1` and `n2` run one slurmd each. Its config, munged and state are its own, so an
+installed cluster is neither used nor disturbed; everything is removed at the end. Without the SLURM
+packages or root the cluster tests skip saying why, except under CI (CI=true), where they fail: .ci/run
+installs the packages and runs as root."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import pytest
 import torch
 
 from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+from tests.hosts import Hosts
+from tests.hosts import _usable as hosts_unusable
+from tests.multinode import required
 
 SBATCH = ROOT / "slurm" / "train.sbatch"
-CLUSTER = ROOT / "slurm" / "local-cluster.sh"
 NEEDED = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged")
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -30,65 +34,156 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 OVR = [*TINY, "train.steps=16", "dist.timeout_s=60"]
 
 
-def _nodes_idle() -> int:
-    try:
-        out = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %t"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.split()[-1:] in (["idle"], ["mix"], ["alloc"]))
+CONF = """ClusterName=ddphosts
+SlurmctldHost={ctl.name}({ctl.addr})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={state}/munge.socket,cred_expire=10
+StateSaveLocation={state}/ctld
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmctldLogFile={state}/log/slurmctld.log
+SlurmdPidFile={state}/slurmd.%n.pid
+SlurmdSpoolDir={state}/spool/%n
+SlurmdLogFile={state}/log/slurmd.%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+MinJobAge=600
+SlurmdTimeout=60
+InactiveLimit=0
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=2
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmHosts:
+    """A SLURM cluster of real hosts (tests/hosts.py): host `slurm` runs slurmctld and is the login node
+    the tests submit from; hosts n1 and n2 each run one slurmd under their own hostname and address, so a
+    job's nodes are separate hosts (`scontrol show hostnames`, the rendezvous endpoint and MASTER_ADDR
+    name another host). The file system is shared as on a cluster. Everything is its own: a munged on
+    its own socket and key, a config in `state` (SLURM_CONF), default ports inside the namespaces, so
+    nothing on this machine (an /etc/slurm cluster, the system's munged) is touched or in the way."""
+
+    NODES = ("n1", "n2")
+
+    def __init__(self, state: Path):
+        self.state = state
+        self.conf = state / "slurm.conf"
+        self.hosts: Hosts | None = None
+
+    @property
+    def ctl(self):
+        return self.hosts[0]
+
+    def env(self, env: dict | None = None) -> dict:
+        return (env if env is not None else clean_env()) | {"SLURM_CONF": str(self.conf)}
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """argv run on the login node."""
+        return self.ctl.argv(argv)
+
+    def run(self, argv: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        return self.ctl.run(argv, env=self.env(env), timeout=timeout)
+
+    def up(self) -> None:
+        try:
+            self.hosts = Hosts(("slurm", *self.NODES))
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:  # e.g. root without CAP_NET_ADMIN
+            required("SLURM on real hosts (network namespaces)", str(e))
+        st = self.state
+        for d in ("ctld", "log", *(f"spool/{n}" for n in self.NODES)):
+            (st / d).mkdir(parents=True, exist_ok=True)
+        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 State=UNKNOWN" for h in self.hosts[1:])
+        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes))
+        # munge: a key of its own (owned by root, who runs everything here), its socket on the shared
+        # file system, reached from every host as munge's socket is on a cluster node.
+        key = st / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        log = st / "log"
+        self._daemon(self.ctl, ["munged", "-F", "--force", f"--socket={st}/munge.socket", f"--key-file={key}",
+                                f"--pid-file={st}/munged.pid", f"--seed-file={st}/munged.seed",
+                                f"--log-file={log}/munged.log"])
+        self._daemon(self.ctl, ["slurmctld", "-D", "-c"])  # -c: fresh state
+        for h in self.hosts[1:]:  # slurmd finds its NodeName from its hostname, as on a cluster
+            self._daemon(h, ["slurmd", "-D"])
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            out = self.run(["sinfo", "-N", "-h", "-o", "%N %t"], timeout=30).stdout.split()
+            if out[1::2] == ["idle"] * len(self.NODES):
+                return
+            time.sleep(0.5)
+        logs = "".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted(log.glob("*")))
+        raise AssertionError(f"the SLURM nodes did not become idle in 120 s: {out}\n{logs}")
+
+    def _daemon(self, host, argv: list[str]) -> None:
+        """A daemon in the foreground on host, seeing this machine's cgroups (slurmd needs them); the host's
+        removal kills it."""
+        with (self.state / "log" / f"{argv[0]}.{host.name}.out").open("w") as out:
+            host.procs.append(subprocess.Popen(host.argv_with_sys(argv), env=self.env(), stdout=out,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+
+    def down(self) -> None:
+        """Every daemon and job process dies with its host (tests/hosts.py removes them)."""
+        if self.hosts is not None:
+            self.hosts.remove()
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
-    """A SLURM cluster with at least two nodes: one that answers, or one started here (and stopped)."""
-    in_ci = os.environ.get("CI", "").lower() == "true"
+def slurm_cluster(tmp_path_factory):
+    """The cluster of SlurmHosts, started here and removed at the end, whatever happens."""
     missing = [b for b in NEEDED if shutil.which(b) is None]
     if missing:
-        reason = f"SLURM is not installed ({', '.join(missing)} missing): {INSTALL}"
-        if in_ci:
-            pytest.fail(f"CI=true but {reason}")
-        pytest.skip(reason)
-    if _nodes_idle() >= 2:
-        yield
-        return
-    if os.geteuid() != 0:
-        reason = "no SLURM cluster answers, and starting one on this machine needs root (make slurm-local-up)"
-        if in_ci:
-            pytest.fail(reason)
-        pytest.skip(reason)
+        required("SLURM", f"not installed ({', '.join(missing)} missing): {INSTALL}")
+    if why := hosts_unusable():
+        required("SLURM on real hosts (network namespaces)", why)
+    cluster = SlurmHosts(tmp_path_factory.mktemp("slurm"))
     t0 = time.time()
-    up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=180,
-                        env=clean_env(NODES="2"))
-    assert up.returncode == 0, f"slurm/local-cluster.sh up failed:\n{up.stdout}\n{up.stderr}"
-    print(f"\nlocal SLURM cluster up in {time.time() - t0:.1f} s", file=sys.stderr)
     try:
-        yield
+        cluster.up()
+        print(f"\nSLURM cluster on real hosts up in {time.time() - t0:.1f} s", file=sys.stderr)
+        yield cluster
     finally:
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
+        cluster.down()
 
 
 # ---------------------------------------------------------------- helpers
 
-def job_info(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+def job_info(cluster: SlurmHosts, job_id: str) -> dict[str, str]:
+    out = cluster.run(["scontrol", "show", "job", "-o", job_id], timeout=30)
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
-def wait_job(job_id: str, timeout: float = 300) -> dict[str, str]:
+def wait_job(cluster: SlurmHosts, job_id: str, timeout: float = 300) -> dict[str, str]:
     """Poll until the job ends. A requeued job starts again after the cluster's cred_expire (10 s with
     slurm/local-cluster.sh); `scontrol update StartTime=now` before that gets it killed ("Job
     credential revoked"), so the tests wait."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        info = job_info(job_id)
+        info = job_info(cluster, job_id)
         if info.get("JobState", "") in TERMINAL:
             return info
         time.sleep(0.5)
-    subprocess.run(["scancel", job_id], capture_output=True)
-    raise AssertionError(f"job {job_id} did not end in {timeout} s: {job_info(job_id)}")
+    cluster.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not end in {timeout} s: {job_info(cluster, job_id)}")
 
 
-def wait_steps(run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None:
+def wait_steps(cluster: SlurmHosts, run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -96,8 +191,8 @@ def wait_steps(run_dir: Path, n: int, job_id: str, timeout: float = 240) -> None
                 return
         except (OSError, ValueError):
             pass
-        if job_info(job_id).get("JobState") in TERMINAL:
-            raise AssertionError(f"job {job_id} ended before step {n}: {job_info(job_id)}")
+        if (info := job_info(cluster, job_id)).get("JobState") in TERMINAL:
+            raise AssertionError(f"job {job_id} ended before step {n}: {info}")
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not reach step {n} in {timeout} s")
 
@@ -108,11 +203,11 @@ def job_env(**extra: str) -> dict[str, str]:
     return clean_env(PYTHON=PY, NPROC_PER_NODE="1", **extra)
 
 
-def sbatch(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
+def sbatch(cluster: SlurmHosts, tmp_path: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
+    """slurm/train.sbatch submitted from the login node, from this checkout."""
     out = tmp_path / "slurm-%j.out"
-    proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
-                           str(SBATCH), *args], cwd=ROOT, env=env or job_env(), capture_output=True, text=True,
-                          timeout=60)
+    proc = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+                        str(SBATCH), *args], env=env or job_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     return job_id, tmp_path / f"slurm-{job_id}.out"
@@ -134,11 +229,11 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cleanup_jobs():
+def cleanup_jobs(slurm_cluster):
     jobs: list[str] = []
     yield jobs
     for j in jobs:
-        subprocess.run(["scancel", j], capture_output=True)
+        slurm_cluster.run(["scancel", j])
 
 
 # ---------------------------------------------------------------- no cluster needed
@@ -187,6 +282,7 @@ def test_sbatch_container_wiring(slurm_cluster):
     """pyxis and Apptainer command lines (no container runtime here: DRY_RUN prints the srun command)."""
     base = clean_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2", DRY_RUN="1",
                      SLURM_SUBMIT_DIR=str(ROOT), CONTAINER_IMAGE="registry/ddp-template:0.1.0")
+    base = slurm_cluster.env(base)  # scontrol (show hostnames) reads the test cluster's config
     runs = ROOT / "runs"
     pyxis = subprocess.run(["bash", str(SBATCH), "train.steps=5"], env=base | {"CONTAINER_RUNTIME": "pyxis"},
                            capture_output=True, text=True, timeout=60)
@@ -202,27 +298,50 @@ def test_sbatch_container_wiring(slurm_cluster):
     assert "--kill-on-bad-exit=1" in appt.stdout and "rendezvous n1:20770 id 77" in appt.stderr
 
 
+def test_job_nodes_are_separate_hosts(slurm_cluster, tmp_path, cleanup_jobs):
+    """What a job's two tasks see: their own hostname and address, and the other node's name resolving to
+    the other host's address (no name of the emulation's 127.0.0.1 left)."""
+    out = tmp_path / "hosts-%j.out"
+    task = ('echo "task $SLURM_NODEID on $(hostname) at $(hostname -I | tr -d " ") '
+            'sees $(getent hosts n1 n2 | tr -s " \\n" " ")"')
+    proc = slurm_cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+                              "--wrap", f"echo nodes $(scontrol show hostnames | tr '\\n' ' '); srun sh -c '{task}'"])
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    cleanup_jobs.append(job_id)
+    info = wait_job(slurm_cluster, job_id, timeout=120)
+    log = (tmp_path / f"hosts-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log
+    n1, n2 = slurm_cluster.hosts[1:]
+    both = f"{n1.addr} n1 {n2.addr} n2"
+    assert "nodes n1 n2" in log, log
+    assert f"task 0 on n1 at {n1.addr} sees {both}" in log and f"task 1 on n2 at {n2.addr} sees {both}" in log, log
+
+
 def test_sbatch_two_nodes_match_local_torchrun(slurm_cluster, reference, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    job_id, out = sbatch(tmp_path, *OVR, f"run.dir={run_dir}")
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, f"run.dir={run_dir}")
     cleanup_jobs.append(job_id)
-    info = wait_job(job_id)
+    info = wait_job(slurm_cluster, job_id)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     assert info["Restarts"] == "0" and "train.sbatch: done" in log
     assert "--rdzv-endpoint=n1:" in log and f"--rdzv-id={job_id}" in log
+    # Each node's launcher gives torchrun its own address (what the others reach it at): two hosts.
+    n1, n2 = slurm_cluster.hosts[1:]
+    assert f"--local-addr={n1.addr} " in log and f"--local-addr={n2.addr} " in log, log[-5000:]
     assert summary(run_dir)["world_size"] == 2 and summary(run_dir)["steps"] == 16
     same_weights(run_dir, reference)
 
 
 def test_sbatch_warning_signal_checkpoints_requeues_and_resumes(slurm_cluster, reference, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    job_id, out = sbatch(tmp_path, *OVR, f"run.dir={run_dir}")
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, f"run.dir={run_dir}")
     cleanup_jobs.append(job_id)
-    wait_steps(run_dir, 3, job_id)
+    wait_steps(slurm_cluster, run_dir, 3, job_id)
     # What --signal=B:USR1@SECONDS does before the time limit: USR1 to the batch shell only.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-    info = wait_job(job_id)
+    assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout=30).returncode == 0
+    info = wait_job(slurm_cluster, job_id)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     assert info["Restarts"] == "1", info
@@ -238,9 +357,9 @@ def test_sbatch_warning_signal_checkpoints_requeues_and_resumes(slurm_cluster, r
 
 
 def test_sbatch_bad_config_is_one_line_and_not_requeued(slurm_cluster, tmp_path, cleanup_jobs):
-    job_id, out = sbatch(tmp_path, env=job_env(CONFIG="configs/missing.yaml"))
+    job_id, out = sbatch(slurm_cluster, tmp_path, env=job_env(CONFIG="configs/missing.yaml"))
     cleanup_jobs.append(job_id)
-    info = wait_job(job_id, timeout=120)
+    info = wait_job(slurm_cluster, job_id, timeout=120)
     log = out.read_text()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", log
     assert "error: config file not found: configs/missing.yaml" in log
@@ -252,8 +371,8 @@ def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_p
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
            *OVR, f"run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
         m = re.match(r"submitted job (\d+): 2 node\(s\)", first)
@@ -264,11 +383,11 @@ def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_p
         assert logs.startswith(f"logs: {run_dir / 'submitit' / job_id}_0_log.out"), logs
         submission = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
         assert "#SBATCH --signal=TERM@" in submission and "#SBATCH --nodes=2" in submission
-        wait_steps(run_dir, 3, job_id)
+        wait_steps(slurm_cluster, run_dir, 3, job_id)
         # What SLURM does on submitit's timeout signal (and submitit's own Job._interrupt()): SIGTERM to
         # every process of the job step.
-        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
-        info = wait_job(job_id)
+        assert slurm_cluster.run(["scancel", "--signal=TERM", job_id], timeout=30).returncode == 0
+        info = wait_job(slurm_cluster, job_id)
         rest, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

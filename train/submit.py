@@ -69,7 +69,9 @@ class TrainJob:
         out.setdefault("RDZV_ENDPOINT", f"{first}:{rendezvous_port(int(job.raw_job_id), restarts)}")
         out.setdefault("RDZV_ID", job.raw_job_id)
         out.update(NNODES=str(job.num_nodes), NPROC_PER_NODE=self.nproc_per_node, PYTHONUNBUFFERED="1")
-        if "is_host=" not in out.get("RDZV_CONF", ""):  # the store on node 0 only (see slurm/train.sbatch)
+        # The store on node 0 only: needed by nodes emulated on one machine, not by real hosts (see
+        # slurm/train.sbatch).
+        if "is_host=" not in out.get("RDZV_CONF", ""):
             conf = f"is_host={int(job.node == 0)}"
             out["RDZV_CONF"] = f"{out['RDZV_CONF']},{conf}" if out.get("RDZV_CONF") else conf
         return out
