@@ -5,13 +5,16 @@ the Kubeflow operator injects, training together to the end."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, clean_env, summary
+from tests.conftest import PY, ROOT, clean_env, summary
 from tests.multinode import Addresses, Node, image_exec, local_argv, map_paths, quoted, required, run_nodes, tiny
 from train import config
 
@@ -133,7 +136,12 @@ def test_pytorchjob_conventions():
     spec, policy = job["spec"], job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "c10d"
     assert 1 <= policy["minReplicas"] <= policy["maxReplicas"]
-    assert policy["maxRestarts"] >= 1 and policy["nProcPerNode"] >= 1 and policy.get("rdzvId")
+    assert policy["maxRestarts"] >= 1 and policy.get("rdzvId")
+    # The v1.9 operator's webhook warns on elasticPolicy.nProcPerNode (deprecated) and refuses it beside
+    # spec.nprocPerNode; the operator injects spec.nprocPerNode as PET_NPROC_PER_NODE.
+    assert "nProcPerNode" not in policy and int(spec["nprocPerNode"]) >= 1
+    # None (the operator's default) leaves an elastic job's pods, and their GPUs, behind once it ends.
+    assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
     assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}, "elastic: workers only, rendezvous at worker 0"
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
@@ -143,7 +151,7 @@ def test_pytorchjob_conventions():
     assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
     assert c["image"] == f"ddp-template:{VERSION}"
     assert "command" not in c, "the image's entrypoint, the shared launcher, runs"
-    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == str(policy["nProcPerNode"])
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == spec["nprocPerNode"]
 
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
@@ -179,14 +187,15 @@ def test_configmap_config_is_valid_at_every_allowed_size(tmp_path):
     cfg = config.load(str(path), c["args"][c["args"].index("--config") + 2:])
     policy = job["spec"]["elasticPolicy"]
     for nodes in range(policy["minReplicas"], policy["maxReplicas"] + 1):
-        config.validate(cfg, nodes * policy["nProcPerNode"])
+        config.validate(cfg, nodes * int(job["spec"]["nprocPerNode"]))
 
 
 # ------------------------------------------------------------------------- the operator, emulated
 
 def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, str]]:
-    """What the Kubeflow training operator (v1) appends to the pytorch container's environment of replica
-    (rtype, index). address(rtype, index, port) -> (host, port) of that replica's Service."""
+    """What the Kubeflow training operator (v1.9: pkg/controller.v1/pytorch/envvar.go, elastic.go) appends to
+    the pytorch container's environment of replica (rtype, index), in its order. address(rtype, index, port)
+    -> (host, port) of that replica's Service."""
     spec = job["spec"]
     replicas = spec["pytorchReplicaSpecs"]
     policy = spec.get("elasticPolicy")
@@ -196,8 +205,10 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         assert ports, f"{rt}: no port named pytorchjob-port"
         return ports[0]["containerPort"]
 
-    nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
-    nproc_int = int(nproc) if str(nproc).isdigit() else 1
+    nproc = spec.get("nprocPerNode")
+    if nproc is None and (policy or {}).get("nProcPerNode") is None:
+        nproc = "auto"  # the operator's defaulting (pytorch_defaults.go)
+    nproc_int = int(nproc) if str(nproc).isdigit() else 1  # WORLD_SIZE counts spec.nprocPerNode only
     total = sum(r.get("replicas", 1) for r in replicas.values())
     env = [("PYTHONUNBUFFERED", "1")]
     if "Master" in replicas:
@@ -206,10 +217,10 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         env += [("MASTER_PORT", str(mport)), ("MASTER_ADDR", host),
                 ("PET_MASTER_PORT", str(mport)), ("PET_MASTER_ADDR", host),
                 ("WORLD_SIZE", str(total * nproc_int)), ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+    if nproc is not None:
+        env.append(("PET_NPROC_PER_NODE", str(nproc)))
     if policy is None:
         env.append(("PET_NNODES", str(total)))
-        if nproc is not None:
-            env.append(("PET_NPROC_PER_NODE", str(nproc)))
         return env
     if policy.get("rdzvHost"):
         endpoint = f"{policy['rdzvHost']}:{policy.get('rdzvPort') or port('Worker')}"
@@ -223,8 +234,8 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         env.append(("PET_NNODES", str(replicas["Worker"].get("replicas", 1))))
     if "maxRestarts" in policy:
         env.append(("PET_MAX_RESTARTS", str(policy["maxRestarts"])))
-    if nproc is not None:
-        env.append(("PET_NPROC_PER_NODE", str(nproc)))
+    if policy.get("nProcPerNode") is not None:  # the deprecated field, after spec.nprocPerNode's: it wins
+        env.append(("PET_NPROC_PER_NODE", str(policy["nProcPerNode"])))
     if "rdzvId" in policy:
         env.append(("PET_RDZV_ID", policy["rdzvId"]))
     if policy.get("rdzvConf"):
@@ -330,7 +341,7 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
     resolves only once it runs (worker-0, the rendezvous host, comes last)."""
     job = _job() if variant == "as written" else _with_master(_job())
     policy = job["spec"]["elasticPolicy"]
-    assert policy["nProcPerNode"] == 1, "this test runs one CPU process per pod"
+    assert job["spec"]["nprocPerNode"] == "1", "this test runs one CPU process per pod"
     hosts = make_hosts(*pod_names(job), introduce=False)
     nodes, claims = replica_nodes(job, tmp_path, real_hosts=True)
     assert len(nodes) == 2
@@ -356,3 +367,49 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
     assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s
+
+
+# ------------------------------------------------------------------------- an unwritable run volume
+
+def _one_line_hint(proc: subprocess.CompletedProcess, run_dir: str) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    line = errors[0]
+    assert run_dir in line and f"uid {os.getuid()}" in line and "fsGroup" in line and "run.dir=" in line, line
+    return line
+
+
+def test_a_run_volume_the_pod_cannot_write_stops_it_in_one_line(tmp_path):
+    """The PVC as an NFS volume that ignores fsGroup: the pod's launcher cannot write it. Here the claim's
+    folder is bind-mounted read-only (even root cannot write it) in a mount namespace of the pod's own:
+    the launcher says so in one line and exits 2 before torchrun starts (a worker could not even leave its
+    usage-error marker there, and torchrun would restart it as a crash)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        required("root and unshare", "a read-only bind mount needs a mount namespace (util-linux, as root)")
+    job = _job()
+    nodes, claims = replica_nodes(job, tmp_path)
+    claim, node = claims["ddp-template-runs"], nodes[0]
+    ro = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+          'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(claim)]
+    proc = subprocess.run([*ro, *node.argv], cwd=ROOT, env=node.env, capture_output=True, text=True, timeout=300)
+    c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
+    line = _one_line_hint(proc, str(claim / Path(run_dir).relative_to("/runs")))
+    print(line)
+    assert "torch.distributed.run" not in proc.stderr, "torchrun started"
+    assert not any(claim.iterdir())
+
+
+def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
+    """python -m train itself (no launcher) makes the run directory where it creates it (train/log.py):
+    a file in its place, which fails for any user."""
+    (tmp_path / "runs").write_text("not a folder\n")
+    run_dir = tmp_path / "runs" / "x"
+    from tests.conftest import TINY
+
+    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, f"run.dir={run_dir}"],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    _one_line_hint(proc, str(run_dir))
