@@ -5,33 +5,39 @@ the Kubeflow operator injects, training together to the end."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, clean_env, summary
+from tests.conftest import PY, ROOT, clean_env, summary
 from tests.multinode import Addresses, Node, image_exec, local_argv, map_paths, quoted, required, run_nodes, tiny
 from train import config
 
 K8S = ROOT / "k8s"
+TRAINJOB_DIR = K8S / "trainjob"  # kubectl apply -f k8s/trainjob: its own job, never with k8s/'s
 CRD = ROOT.parent / "shared" / "schemas" / "kubeflow.org_pytorchjobs.yaml"
+TRAINER_V2 = ROOT.parent / "shared" / "schemas" / "trainer-v2"  # its CRDs and torch-distributed runtime
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
 
 
-def _objects() -> list[tuple[Path, dict]]:
-    """What `kubectl apply -f k8s` applies: every document of every YAML/JSON file at the top of k8s/."""
+def _objects(folder: Path = K8S) -> list[tuple[Path, dict]]:
+    """What `kubectl apply -f FOLDER` applies (not recursive): every document of every YAML/JSON file at
+    the top of the folder."""
     out = []
-    for path in sorted(K8S.iterdir()):
+    for path in sorted(folder.iterdir()):
         if path.is_file() and path.suffix in (".yaml", ".yml", ".json"):
             out += [(path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
     return out
 
 
-def _find(kind: str, name: str | None = None) -> dict:
-    found = [doc for _, doc in _objects() if doc["kind"] == kind and name in (None, doc["metadata"]["name"])]
-    assert len(found) == 1, f"expected one {kind} {name or ''} in k8s/, found {len(found)}"
+def _find(kind: str, name: str | None = None, folder: Path = K8S) -> dict:
+    found = [doc for _, doc in _objects(folder) if doc["kind"] == kind and name in (None, doc["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''} in {folder}, found {len(found)}"
     return found[0]
 
 
@@ -133,7 +139,12 @@ def test_pytorchjob_conventions():
     spec, policy = job["spec"], job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "c10d"
     assert 1 <= policy["minReplicas"] <= policy["maxReplicas"]
-    assert policy["maxRestarts"] >= 1 and policy["nProcPerNode"] >= 1 and policy.get("rdzvId")
+    assert policy["maxRestarts"] >= 1 and policy.get("rdzvId")
+    # The v1.9 operator's webhook warns on elasticPolicy.nProcPerNode (deprecated) and refuses it beside
+    # spec.nprocPerNode; the operator injects spec.nprocPerNode as PET_NPROC_PER_NODE.
+    assert "nProcPerNode" not in policy and int(spec["nprocPerNode"]) >= 1
+    # None (the operator's default) leaves an elastic job's pods, and their GPUs, behind once it ends.
+    assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
     assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}, "elastic: workers only, rendezvous at worker 0"
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
@@ -143,7 +154,7 @@ def test_pytorchjob_conventions():
     assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
     assert c["image"] == f"ddp-template:{VERSION}"
     assert "command" not in c, "the image's entrypoint, the shared launcher, runs"
-    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == str(policy["nProcPerNode"])
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == spec["nprocPerNode"]
 
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
@@ -179,14 +190,15 @@ def test_configmap_config_is_valid_at_every_allowed_size(tmp_path):
     cfg = config.load(str(path), c["args"][c["args"].index("--config") + 2:])
     policy = job["spec"]["elasticPolicy"]
     for nodes in range(policy["minReplicas"], policy["maxReplicas"] + 1):
-        config.validate(cfg, nodes * policy["nProcPerNode"])
+        config.validate(cfg, nodes * int(job["spec"]["nprocPerNode"]))
 
 
 # ------------------------------------------------------------------------- the operator, emulated
 
 def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, str]]:
-    """What the Kubeflow training operator (v1) appends to the pytorch container's environment of replica
-    (rtype, index). address(rtype, index, port) -> (host, port) of that replica's Service."""
+    """What the Kubeflow training operator (v1.9: pkg/controller.v1/pytorch/envvar.go, elastic.go) appends to
+    the pytorch container's environment of replica (rtype, index), in its order. address(rtype, index, port)
+    -> (host, port) of that replica's Service."""
     spec = job["spec"]
     replicas = spec["pytorchReplicaSpecs"]
     policy = spec.get("elasticPolicy")
@@ -196,8 +208,10 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         assert ports, f"{rt}: no port named pytorchjob-port"
         return ports[0]["containerPort"]
 
-    nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
-    nproc_int = int(nproc) if str(nproc).isdigit() else 1
+    nproc = spec.get("nprocPerNode")
+    if nproc is None and (policy or {}).get("nProcPerNode") is None:
+        nproc = "auto"  # the operator's defaulting (pytorch_defaults.go)
+    nproc_int = int(nproc) if str(nproc).isdigit() else 1  # WORLD_SIZE counts spec.nprocPerNode only
     total = sum(r.get("replicas", 1) for r in replicas.values())
     env = [("PYTHONUNBUFFERED", "1")]
     if "Master" in replicas:
@@ -206,10 +220,10 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         env += [("MASTER_PORT", str(mport)), ("MASTER_ADDR", host),
                 ("PET_MASTER_PORT", str(mport)), ("PET_MASTER_ADDR", host),
                 ("WORLD_SIZE", str(total * nproc_int)), ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+    if nproc is not None:
+        env.append(("PET_NPROC_PER_NODE", str(nproc)))
     if policy is None:
         env.append(("PET_NNODES", str(total)))
-        if nproc is not None:
-            env.append(("PET_NPROC_PER_NODE", str(nproc)))
         return env
     if policy.get("rdzvHost"):
         endpoint = f"{policy['rdzvHost']}:{policy.get('rdzvPort') or port('Worker')}"
@@ -223,8 +237,8 @@ def operator_env(job: dict, rtype: str, index: int, address) -> list[tuple[str, 
         env.append(("PET_NNODES", str(replicas["Worker"].get("replicas", 1))))
     if "maxRestarts" in policy:
         env.append(("PET_MAX_RESTARTS", str(policy["maxRestarts"])))
-    if nproc is not None:
-        env.append(("PET_NPROC_PER_NODE", str(nproc)))
+    if policy.get("nProcPerNode") is not None:  # the deprecated field, after spec.nprocPerNode's: it wins
+        env.append(("PET_NPROC_PER_NODE", str(policy["nProcPerNode"])))
     if "rdzvId" in policy:
         env.append(("PET_RDZV_ID", policy["rdzvId"]))
     if policy.get("rdzvConf"):
@@ -265,6 +279,33 @@ def pod_names(job: dict) -> list[str]:
             for i in range(replicas[rt].get("replicas", 1))]
 
 
+def pod_mounts(pod: dict, c: dict, pod_dir: Path, tmp: Path, claims: dict[str, Path],
+               folder: Path = K8S) -> dict[str, Path]:
+    """The container's volumes as local folders, by mount path: ConfigMaps (from `folder`'s objects)
+    written out, emptyDirs under pod_dir, one folder per PVC shared by all pods (claims)."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {}
+    for m in c.get("volumeMounts", []):
+        v = volumes[m["name"]]
+        if "persistentVolumeClaim" in v:
+            claim = v["persistentVolumeClaim"]["claimName"]
+            _find("PersistentVolumeClaim", claim, folder)
+            path = claims.setdefault(claim, tmp / "pvc" / claim)
+        elif "configMap" in v:
+            path = pod_dir / "volumes" / m["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            for key, text in _find("ConfigMap", v["configMap"]["name"], folder)["data"].items():
+                (path / key).write_text(text)
+        elif "emptyDir" in v:
+            path = pod_dir / "volumes" / m["name"]
+        else:
+            raise AssertionError(f"unsupported volume {v}")
+        if m["mountPath"] != "/dev/shm":  # the host's /dev/shm stands in for the memory emptyDir
+            mounts[m["mountPath"]] = path
+        path.mkdir(parents=True, exist_ok=True)
+    return mounts
+
+
 def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False) -> tuple[list[Node], dict[str, Path]]:
     """Each replica of the job as a process: its command, its container env + the operator's env, its
     volumes as folders (ConfigMaps written out, one folder per PVC shared by all pods). On real hosts (one
@@ -285,28 +326,8 @@ def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False) -> tuple[list[
     claims, nodes = {}, []
     for rt, i in pods:
         replica = job["spec"]["pytorchReplicaSpecs"][rt]
-        pod_dir = tmp / f"{rt.lower()}-{i}"
         c = _container(replica)
-        volumes = {v["name"]: v for v in replica["template"]["spec"].get("volumes", [])}
-        mounts = {}
-        for m in c.get("volumeMounts", []):
-            v = volumes[m["name"]]
-            if "persistentVolumeClaim" in v:
-                claim = v["persistentVolumeClaim"]["claimName"]
-                _find("PersistentVolumeClaim", claim)
-                folder = claims.setdefault(claim, tmp / "pvc" / claim)
-            elif "configMap" in v:
-                folder = pod_dir / "volumes" / m["name"]
-                folder.mkdir(parents=True, exist_ok=True)
-                for key, text in _find("ConfigMap", v["configMap"]["name"])["data"].items():
-                    (folder / key).write_text(text)
-            elif "emptyDir" in v:
-                folder = pod_dir / "volumes" / m["name"]
-            else:
-                raise AssertionError(f"unsupported volume {v}")
-            if m["mountPath"] != "/dev/shm":  # the host's /dev/shm stands in for the memory emptyDir
-                mounts[m["mountPath"]] = folder
-            folder.mkdir(parents=True, exist_ok=True)
+        mounts = pod_mounts(replica["template"]["spec"], c, tmp / f"{rt.lower()}-{i}", tmp, claims)
         env = dict(container_env(c, secrets={}))
         env.update(operator_env(job, rt, i, address))  # appended after the container's: it wins
         argv = local_argv([map_paths(a, mounts) for a in pod_argv(c)])
@@ -330,7 +351,7 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
     resolves only once it runs (worker-0, the rendezvous host, comes last)."""
     job = _job() if variant == "as written" else _with_master(_job())
     policy = job["spec"]["elasticPolicy"]
-    assert policy["nProcPerNode"] == 1, "this test runs one CPU process per pod"
+    assert job["spec"]["nprocPerNode"] == "1", "this test runs one CPU process per pod"
     hosts = make_hosts(*pod_names(job), introduce=False)
     nodes, claims = replica_nodes(job, tmp_path, real_hosts=True)
     assert len(nodes) == 2
@@ -346,13 +367,294 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
     if variant != "as written":
         assert [n.env["RANK"] for n in nodes] == ["0", "1"] and {n.env["WORLD_SIZE"] for n in nodes} == {"2"}
     results = run_nodes(nodes, hosts=hosts, stagger=5)
-    if variant == "as written":  # worker-1 started 5 s before worker-0's name resolved: it waited, then trained
-        assert "for the rendezvous host: ddp-template-worker-0 does not resolve yet" in results["worker-1"][1]
+    if variant == "as written":  # worker-1 started 5 s before worker-0: it waited, then trained. Whether its
+        # first probe found the name not resolving yet or the port not open yet depends on how long it took
+        # to start (over 5 s on a loaded 2-core machine): either is waiting for the rendezvous host.
+        assert "for the rendezvous host: ddp-template-worker-0" in results["worker-1"][1]
     for name, (code, log) in results.items():
         assert code == 0, f"{name} exited {code}\n{log[-4000:]}"
         assert f"--nnodes={policy['minReplicas']}:{policy['maxReplicas']}" in log  # the launcher used PET_*
         assert f"--rdzv-endpoint={nodes[0 if variant == 'as written' else 1].env['PET_RDZV_ENDPOINT']}" in log
     c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
+    s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
+    assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s
+
+
+# ------------------------------------------------------------------------- an unwritable run volume
+
+def _one_line_hint(proc: subprocess.CompletedProcess, run_dir: str) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    line = errors[0]
+    assert run_dir in line and f"uid {os.getuid()}" in line and "fsGroup" in line and "run.dir=" in line, line
+    return line
+
+
+def test_a_run_volume_the_pod_cannot_write_stops_it_in_one_line(tmp_path):
+    """The PVC as an NFS volume that ignores fsGroup: the pod's launcher cannot write it. Here the claim's
+    folder is bind-mounted read-only (even root cannot write it) in a mount namespace of the pod's own:
+    the launcher says so in one line and exits 2 before torchrun starts (a worker could not even leave its
+    usage-error marker there, and torchrun would restart it as a crash)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        required("root and unshare", "a read-only bind mount needs a mount namespace (util-linux, as root)")
+    job = _job()
+    nodes, claims = replica_nodes(job, tmp_path)
+    claim, node = claims["ddp-template-runs"], nodes[0]
+    ro = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+          'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(claim)]
+    proc = subprocess.run([*ro, *node.argv], cwd=ROOT, env=node.env, capture_output=True, text=True, timeout=300)
+    c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
+    line = _one_line_hint(proc, str(claim / Path(run_dir).relative_to("/runs")))
+    print(line)
+    assert "torch.distributed.run" not in proc.stderr, "torchrun started"
+    assert not any(claim.iterdir())
+
+
+def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
+    """python -m train itself (no launcher) makes the run directory where it creates it (train/log.py):
+    a file in its place, which fails for any user."""
+    (tmp_path / "runs").write_text("not a folder\n")
+    run_dir = tmp_path / "runs" / "x"
+    from tests.conftest import TINY
+
+    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, f"run.dir={run_dir}"],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    _one_line_hint(proc, str(run_dir))
+
+
+# ------------------------------------------------------------------- Kubeflow Trainer v2: the TrainJob
+
+TORCH_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+TRAINER_PORT = 29500  # pkg/constants: ContainerTrainerPort, PET_MASTER_PORT
+
+
+def _trainjob() -> dict:
+    return _find("TrainJob", folder=TRAINJOB_DIR)
+
+
+def _v2(name: str) -> dict:
+    path = TRAINER_V2 / name
+    if not path.exists():
+        required(str(path), "Kubeflow Trainer v2's CRDs and runtime are not beside this checkout")
+    return yaml.safe_load(path.read_text())
+
+
+def _runtime() -> dict:
+    """The ClusterTrainingRuntime the TrainJob names, as the trainer installs it."""
+    runtime = _v2("torch_distributed.yaml")
+    ref = _trainjob()["spec"]["runtimeRef"]
+    assert (ref.get("apiGroup", "trainer.kubeflow.org"), ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) \
+        == ("trainer.kubeflow.org", runtime["kind"], runtime["metadata"]["name"])
+    return runtime
+
+
+def _crd_validator(name: str):
+    import jsonschema
+
+    crd = _v2(name)
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
+    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def _webhook_errors(job: dict, runtime: dict) -> list[str]:
+    """What the trainer's admission webhook refuses, read from its source (torch.go's Validate, the jobset
+    plugin's runtimePatches checks, the CRD's CEL rules), for the fields this TrainJob uses."""
+    errors = []
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"]) or len(job["metadata"]["name"]) > 63:
+        errors.append("metadata.name must be an RFC 1035 label")
+    trainer = job["spec"].get("trainer", {})
+    if reserved := TORCH_RESERVED & {e["name"] for e in trainer.get("env", [])}:
+        errors.append(f"spec.trainer.env: must not have reserved envs {sorted(reserved)}")
+    if trainer.get("numProcPerNode", 1) < 1:
+        errors.append("numProcPerNode must be greater than or equal to 1")
+    jobs = {r["name"]: {c["name"] for c in r["template"]["spec"]["template"]["spec"]["containers"]}
+            for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    for patch in job["spec"].get("runtimePatches", []):
+        host, _, path = patch["manager"].partition("/")
+        if not (path and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", host)):
+            errors.append(f"runtimePatches.manager {patch['manager']!r}: not a domain-prefixed path")
+        for rjob in patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", []):
+            if rjob["name"] not in jobs:
+                errors.append(f"runtimePatches: no replicated job {rjob['name']} in the runtime")
+                continue
+            for c in rjob["template"]["spec"]["template"]["spec"].get("containers", []):
+                if c["name"] not in jobs[rjob["name"]]:
+                    errors.append(f"runtimePatches: no container {c['name']} in the runtime's {rjob['name']}")
+                elif c.get("env") and c["name"] == "node":
+                    errors.append("runtimePatches: must not have envs for the node container")
+    return errors
+
+
+def trainer_pod(job: dict, runtime: dict) -> tuple[dict, dict]:
+    """(pod spec, container `node`) of the TrainJob's nodes as the trainer builds them: the runtime's
+    replicated job `node`, the TrainJob's image, command/args, resources and env, its runtimePatches, and
+    the port 29500 the torch plugin adds."""
+    rjob = next(r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node")
+    pod = copy.deepcopy(rjob["template"]["spec"]["template"]["spec"])
+    c = next(c for c in pod["containers"] if c["name"] == "node")
+    trainer = job["spec"]["trainer"]
+    c["image"] = trainer["image"]
+    for key in ("command", "args"):
+        if key in trainer:
+            c[key] = trainer[key]
+    if "resourcesPerNode" in trainer:
+        c["resources"] = trainer["resourcesPerNode"]
+    c["env"] = [e for e in c.get("env", []) if e["name"] not in {t["name"] for t in trainer.get("env", [])}]
+    c["env"] += trainer.get("env", [])
+    for patch in job["spec"].get("runtimePatches", []):
+        for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            for key, value in rj["template"]["spec"]["template"]["spec"].items():
+                if key != "containers":
+                    pod[key] = copy.deepcopy(value)
+                    continue
+                for cpatch in value:
+                    target = next(x for x in pod["containers"] if x["name"] == cpatch["name"])
+                    target.update({k: copy.deepcopy(v) for k, v in cpatch.items() if k != "name"})
+    c.setdefault("ports", []).append({"containerPort": TRAINER_PORT, "protocol": "TCP"})
+    return pod, c
+
+
+def trainer_env(job: dict, runtime: dict, index: int) -> list[tuple[str, str]]:
+    """What the trainer's torch plugin (pkg/runtime/framework/plugins/torch/torch.go, EnforceMLPolicy)
+    upserts into node `index`'s container after the TrainJob's env."""
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
+    nproc = str(trainer["numProcPerNode"]) if "numProcPerNode" in trainer else "auto"
+    resources = trainer.get("resourcesPerNode", {})
+    gpus = {**resources.get("requests", {}), **resources.get("limits", {})}.get("nvidia.com/gpu", 0)
+    if nproc == "auto" and not int(gpus):  # auto without GPUs: the CPUs requested per node
+        cpu = str(resources.get("requests", {}).get("cpu") or resources.get("limits", {}).get("cpu", "0"))
+        nproc = str(max(1, int(float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))))
+    return [("PET_NNODES", str(nodes)), ("PET_NPROC_PER_NODE", nproc),
+            ("PET_NODE_RANK", str(index)),  # fieldRef: the Job completion index annotation
+            ("PET_MASTER_ADDR", f"{name}-node-0-0.{name}"), ("PET_MASTER_PORT", str(TRAINER_PORT))]
+
+
+def test_kubectl_apply_k8s_creates_exactly_one_job_and_k8s_trainjob_the_other():
+    jobs = {"PyTorchJob", "TrainJob"}
+    assert [doc["kind"] for _, doc in _objects() if doc["kind"] in jobs] == ["PyTorchJob"]
+    assert [doc["kind"] for _, doc in _objects(TRAINJOB_DIR) if doc["kind"] in jobs] == ["TrainJob"]
+    for path, doc in _objects(TRAINJOB_DIR):
+        assert "namespace" not in doc["metadata"], f"{path}: kubectl apply -n NAMESPACE chooses it"
+        if doc["kind"] in ("ConfigMap", "PersistentVolumeClaim"):  # the same objects: applying both is a no-op
+            assert doc == _find(doc["kind"], doc["metadata"]["name"]), f"{path} differs from k8s/'s"
+    assert not [p for p in TRAINJOB_DIR.iterdir() if p.is_dir() or p.suffix not in (".yaml", ".yml")]
+
+
+def test_trainjob_validates_against_the_trainers_crds_and_webhook():
+    job, runtime = _trainjob(), _runtime()
+    for validator, doc in ((_crd_validator("trainer.kubeflow.org_trainjobs.yaml"), job),
+                           (_crd_validator("trainer.kubeflow.org_clustertrainingruntimes.yaml"), runtime)):
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
+    assert not _webhook_errors(job, runtime)
+    # And the checks bite: an unknown field, a reserved variable, env patched into the node container.
+    validator = _crd_validator("trainer.kubeflow.org_trainjobs.yaml")
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["nprocPerNode"] = 1
+    assert list(validator.iter_errors(bad))
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["env"].append({"name": "PET_MASTER_PORT", "value": "23456"})
+    assert _webhook_errors(bad, runtime)
+    bad = copy.deepcopy(job)
+    patch = bad["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "A", "value": "1"}]
+    assert _webhook_errors(bad, runtime)
+
+
+def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
+    kv = _kubernetes_validate()
+    job, runtime = _trainjob(), _runtime()
+    pod, c = trainer_pod(job, runtime)
+    template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ddp-template-node"},
+                "template": {"spec": pod}}
+    try:
+        kv.validate(template, kv.latest_version(), strict=True)
+    except Exception as e:
+        pytest.fail(f"the TrainJob's node pod: {e}")
+    trainer = job["spec"]["trainer"]
+    assert c["image"] == f"ddp-template:{VERSION}" and "command" not in c, "the image's entrypoint runs"
+    assert str(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]) == str(trainer["numProcPerNode"])
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and "emptyDir" in volumes[mounts["/tmp"]]
+    claim = volumes[mounts["/runs"]]["persistentVolumeClaim"]["claimName"]
+    assert "ReadWriteMany" in _find("PersistentVolumeClaim", claim, TRAINJOB_DIR)["spec"]["accessModes"]
+    run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
+    assert run_dir.startswith("/runs/") and run_dir != next(
+        a.split("=", 1)[1] for a in _container(_job()["spec"]["pytorchReplicaSpecs"]["Worker"])["args"]
+        if a.startswith("run.dir=")), "its own run directory: both jobs may run at once"
+    pod_sc, sc = pod["securityContext"], c["securityContext"]
+    assert pod_sc["runAsNonRoot"] and sc["runAsNonRoot"] and pod_sc["runAsUser"] == 10001
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    # The config loads with the job's overrides and its batch arithmetic holds for the job's world size.
+    path = tmp_path / "train.yaml"
+    path.write_text(_find("ConfigMap", "ddp-template-config", TRAINJOB_DIR)["data"]["train.yaml"])
+    cfg = config.load(str(path), c["args"][c["args"].index("--config") + 2:])
+    config.validate(cfg, trainer["numNodes"] * trainer["numProcPerNode"])
+
+
+def test_stop_budget_is_below_the_grace_period_in_each_manifest():
+    """STOP_TIMEOUT (the seconds torchrun gives the workers to save) below terminationGracePeriodSeconds
+    (when the kubelet SIGKILLs), with room for torchrun's own exit."""
+    worker = _job()["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pod, c = trainer_pod(_trainjob(), _runtime())
+    for name, grace, env in (("PyTorchJob", worker["template"]["spec"]["terminationGracePeriodSeconds"],
+                              _container(worker)["env"]),
+                             ("TrainJob", pod["terminationGracePeriodSeconds"], c["env"])):
+        stop = int(next(e["value"] for e in env if e["name"] == "STOP_TIMEOUT"))
+        assert 0 < stop <= grace - 10, f"{name}: STOP_TIMEOUT={stop}, terminationGracePeriodSeconds={grace}"
+
+
+class _JobSetPod:
+    """A host (tests/hosts.py) as a JobSet pod: its hostname is the pod's name, and its DNS name
+    <pod>.<subdomain> (the JobSet's headless Service) resolves too, on itself at once (its /etc/hosts)
+    and on the others once it runs."""
+
+    def __init__(self, host, subdomain: str):
+        self.host, self.subdomain = host, subdomain
+        self.name, self.addr = host.name, host.addr
+        host.knows(f"{host.name}.{subdomain}", host.addr)
+
+    def knows(self, other: _JobSetPod) -> None:
+        self.host.knows(other.host)
+        self.host.knows(f"{other.name}.{self.subdomain}", other.addr)
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return self.host.argv(argv)
+
+
+def test_trainjob_nodes_train_together_with_the_trainers_environment(tmp_path, make_hosts):
+    """Each node on a real host named as its pod (ddp-template-node-0-K), its env as the trainer injects
+    it; node 1 starts 5 s before node 0, whose DNS name (PET_MASTER_ADDR) resolves only once it runs."""
+    job, runtime = _trainjob(), _runtime()
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    assert trainer["numProcPerNode"] == 1 and trainer["numNodes"] == 2, "one CPU process on each of 2 nodes"
+    pod, c = trainer_pod(job, runtime)
+    pod_names = [f"{name}-node-0-{i}" for i in range(trainer["numNodes"])]
+    hosts = [_JobSetPod(h, name) for h in make_hosts(*pod_names, introduce=False)]
+    claims, nodes = {}, []
+    for i, pod_name in enumerate(pod_names):
+        mounts = pod_mounts(pod, c, tmp_path / pod_name, tmp_path, claims, TRAINJOB_DIR)
+        env = dict(container_env(c, secrets={}))
+        env.update(trainer_env(job, runtime, i))  # upserted after the TrainJob's env: it wins
+        argv = local_argv([map_paths(a, mounts) for a in pod_argv(c)])
+        nodes.append(Node(pod_name, tiny(argv), clean_env(**env), tmp_path / f"{pod_name}.log"))
+        print(f"{pod_name}: " + " ".join(f"{k}={env[k]}" for k in sorted(TORCH_RESERVED)) + f" {quoted(argv)}")
+    assert nodes[0].env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}" and nodes[0].env["PET_MASTER_PORT"] == "29500"
+    results = run_nodes(nodes, hosts=hosts, stagger=5)
+    # Node 1 came first and waited for node 0 (its name not resolving yet, or its port not open yet: which,
+    # depends on how long node 1 took to start on a loaded machine).
+    assert f"for the rendezvous host: {name}-node-0-0.{name}" in results[pod_names[1]][1]
+    for pod_name, (code, log) in results.items():
+        assert code == 0, f"{pod_name} exited {code}\n{log[-4000:]}"
+        assert "--nnodes=2 " in log and f"--rdzv-endpoint={name}-node-0-0.{name}:29500" in log  # from PET_*
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
     assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -278,24 +279,55 @@ def test_submit_rendezvous_from_the_allocation(monkeypatch):
 
 # ---------------------------------------------------------------- against the cluster
 
-def test_sbatch_container_wiring(slurm_cluster):
-    """pyxis and Apptainer command lines (no container runtime here: DRY_RUN prints the srun command)."""
+def test_sbatch_container_wiring(slurm_cluster, tmp_path):
+    """pyxis and Apptainer command lines (no container runtime here: DRY_RUN prints the srun command).
+    pyxis checks every --container-mounts source on every node before the task starts (NVIDIA/pyxis,
+    validate_mount_sources): each must be on the shared file system, none in the batch host's TMPDIR.
+    Apptainer binds the node's /tmp: the caches the image keeps there get a folder per job."""
+    own_tmp = tmp_path / "batch-host-tmp"  # TMPDIR of the batch host: nothing of the job's may go there
+    own_tmp.mkdir()
+    runs = tmp_path / "shared-runs"
     base = clean_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2", DRY_RUN="1",
-                     SLURM_SUBMIT_DIR=str(ROOT), CONTAINER_IMAGE="registry/ddp-template:0.1.0")
+                     SLURM_SUBMIT_DIR=str(ROOT), CONTAINER_IMAGE="registry/ddp-template:0.1.0",
+                     CONTAINER_RUNS=str(runs), TMPDIR=str(own_tmp))
     base = slurm_cluster.env(base)  # scontrol (show hostnames) reads the test cluster's config
-    runs = ROOT / "runs"
     pyxis = subprocess.run(["bash", str(SBATCH), "train.steps=5"], env=base | {"CONTAINER_RUNTIME": "pyxis"},
                            capture_output=True, text=True, timeout=60)
     assert pyxis.returncode == 0, pyxis.stderr
     assert "--container-image=registry/ddp-template:0.1.0" in pyxis.stdout
-    assert f"--container-mounts={runs}:/runs" in pyxis.stdout and "--container-workdir=/app" in pyxis.stdout
+    assert "--container-workdir=/app" in pyxis.stdout
     assert "python -m train.launch -- --config configs/default.yaml train.steps=5" in pyxis.stdout
-    appt = subprocess.run(["bash", str(SBATCH), "train.steps=5"], env=base | {"CONTAINER_RUNTIME": "apptainer"},
-                          capture_output=True, text=True, timeout=60)
-    assert appt.returncode == 0, appt.stderr
-    assert (f"apptainer run --bind {runs}:/runs --pwd /app registry/ddp-template:0.1.0 --config "
-            "configs/default.yaml train.steps=5") in appt.stdout
-    assert "--kill-on-bad-exit=1" in appt.stdout and "rendezvous n1:20770 id 77" in appt.stderr
+    argv = shlex.split(pyxis.stdout)  # the srun command, as printf %q quoted it
+    mounts = next(a for a in argv if a.startswith("--container-mounts="))[len("--container-mounts="):].split(",")
+    assert f"{runs}:/runs" in mounts
+    for source in (m.split(":")[0] for m in mounts):
+        assert Path(source).is_dir() and Path(source).is_relative_to(runs), f"{source}: not on the shared runs folder"
+    assert not any(own_tmp.iterdir()), "the batch host's TMPDIR holds a folder the other nodes lack"
+    # The state folder (node 0's exit code) is mounted at the same path, where the task writes it.
+    assert any(m.split(":")[0] == m.split(":")[1] and "77.0" in m for m in mounts), mounts
+
+    def apptainer(job_id: str) -> str:
+        proc = subprocess.run(["bash", str(SBATCH), "train.steps=5"],
+                              env=base | {"CONTAINER_RUNTIME": "apptainer", "SLURM_JOB_ID": job_id},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "--kill-on-bad-exit=1" in proc.stdout and f"id {job_id}," in proc.stderr
+        assert f"--bind {runs}:/runs --pwd /app" in proc.stdout
+        assert "registry/ddp-template:0.1.0 --config configs/default.yaml train.steps=5" in proc.stdout
+        return proc.stdout
+
+    caches = {}
+    for job_id in ("77", "78"):
+        out = apptainer(job_id)
+        argv = shlex.split(out)
+        env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--env")
+        assert {"XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= env.keys(), out
+        folders = {str(Path(v).parent) for v in env.values()}
+        assert len(folders) == 1 and f".{job_id}." in folders.copy().pop(), env  # one folder per job
+        caches[job_id] = folders.pop()
+        assert not any(v.startswith(("/tmp/.cache", "/tmp/triton", "/tmp/torchinductor")) for v in env.values())
+    assert caches["77"] != caches["78"]
+    assert not any(own_tmp.iterdir())
 
 
 def test_job_nodes_are_separate_hosts(slurm_cluster, tmp_path, cleanup_jobs):

@@ -376,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve(args, os.environ)
         cmd = torchrun_command(opts, train_args)
         check_world(cfg, cmd)
+        if not args.dry_run:
+            from train.log import make_run_dir  # imports torch, which torchrun needs next anyway
+
+            # Here, once: a worker could not even leave its usage-error marker in an unwritable folder,
+            # and torchrun would restart it as a crash.
+            make_run_dir(cfg.run_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
