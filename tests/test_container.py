@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from importlib import metadata
@@ -224,6 +223,10 @@ def test_compose_topology():
             assert s.get("restart") in ("on-failure", "always", "unless-stopped") or s.get("deploy", {}).get(
                 "restart_policy"), f"{name}: a killed node must come back"
             assert s.get("shm_size") or s.get("ipc") == "host", name
+            # the launcher's stop budget ends inside compose's grace period (else SIGKILL before the save)
+            grace = sum(int(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"(\d+)([hms])",
+                                                                                      s["stop_grace_period"]))
+            assert int(env["STOP_TIMEOUT"]) < grace, f"{name}: STOP_TIMEOUT {env['STOP_TIMEOUT']} >= {grace} s"
             if s.get("read_only"):  # as on Kubernetes; the image keeps HOME and its caches in /tmp
                 assert any(t.split(":")[0] == "/tmp" for t in s.get("tmpfs", [])), name
             assert any(v.split(":")[1] == "/runs" for v in s["volumes"]), "the shared run volume"
@@ -306,10 +309,7 @@ def uninterrupted(image) -> Path:
     try:
         docker("run", "--rm", *RUN_FLAGS, "-v", f"{name}:/runs", image, "--nproc-per-node", "2", "--",
                "--config", "configs/default.yaml", *SEGMENTED, "run.dir=/runs/r", timeout=900)
-        out = Path(tempfile.mkdtemp(prefix="ddp-uninterrupted."))
-        shutil.copytree(volume_path(name) / "r", out / "r")
-        yield out / "r"
-        shutil.rmtree(out, ignore_errors=True)
+        yield volume_path(name) / "r"
     finally:
         docker("volume", "rm", "-f", name, check=False)
 
