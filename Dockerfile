@@ -12,7 +12,9 @@
 # Base: plain Debian Python, not nvidia/cuda: the pinned torch wheels bring their own CUDA runtime,
 # cuDNN and NCCL (the nvidia-* packages), so a CUDA base image would only add a second copy of them.
 # The GPU driver is mounted at run time by the NVIDIA container toolkit (docker --gpus, the Kubernetes
-# device plugin). Same Python as CI, so pip resolves the same wheels CI tests; bump both together.
+# device plugin, enroot/pyxis); enroot and a default nvidia runtime inject it only when the image sets
+# NVIDIA_VISIBLE_DEVICES (below; --gpus and the device plugin override it with the GPUs they grant).
+# The CUDA 13 wheels need an NVIDIA driver >= 580 and a Turing or newer GPU (see the README). Same Python as CI, so pip resolves the same wheels CI tests; bump both together.
 
 # ---- stage 1: the virtual environment, from the requirement set CI installs and tests
 FROM python:3.11.7-slim-bookworm AS deps
@@ -26,6 +28,32 @@ RUN python -m venv /opt/venv \
 # ---- stage 2: the runtime (no pip cache, no build leftovers)
 FROM python:3.11.7-slim-bookworm
 
+# A numeric non-root user (the Kubernetes manifests run as 10001 too); a passwd entry, because
+# getpass.getuser() (torch's compile caches) needs one. /runs: run directories and checkpoints.
+RUN groupadd --gid 10001 trainer \
+    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin trainer \
+    && install -d -o 10001 -g 10001 -m 0775 /runs
+
+# Run-time system packages, nothing for building:
+# - a C/C++ compiler: torch.compile needs one when it runs (Triton builds its C launcher helper on GPU,
+#   inductor's CPU backend compiles C++); python:slim has the Python headers they include, but no compiler.
+# - rdma-core's user space (libibverbs + the providers, mlx5 among them): without it NCCL cannot open
+#   InfiniBand/RoCE devices and multi-node traffic silently falls back to TCP sockets.
+# Versions: the base tag pins the Debian release; its point releases replace the package versions.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc g++ libibverbs1 ibverbs-providers \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
+
+COPY --from=deps /opt/venv /opt/venv
+WORKDIR /app
+COPY train/ train/
+COPY configs/ configs/
+RUN python -m compileall -q train \
+    && ln -s /runs runs
+
+# Labels and build arguments last: a new commit (REVISION) changes only these layers, so a rebuild
+# reuses the system packages and the 6 GB environment from the cache instead of copying them again.
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG SOURCE=unknown
@@ -35,19 +63,6 @@ LABEL org.opencontainers.image.title="ddp-template" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
-
-# A numeric non-root user (the Kubernetes manifests run as 10001 too); a passwd entry, because
-# getpass.getuser() (torch's compile caches) needs one. /runs: run directories and checkpoints.
-RUN groupadd --gid 10001 trainer \
-    && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin trainer \
-    && install -d -o 10001 -g 10001 -m 0775 /runs
-
-COPY --from=deps /opt/venv /opt/venv
-WORKDIR /app
-COPY train/ train/
-COPY configs/ configs/
-RUN python -m compileall -q train \
-    && ln -s /runs runs
 
 # HOME and every cache on /tmp: the root filesystem may be read-only (Kubernetes, compose).
 # NCCL: warnings only (no INFO/TRACE), and a failed or hung collective ends the process instead of
@@ -61,6 +76,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     TRITON_CACHE_DIR=/tmp/triton \
     MPLCONFIGDIR=/tmp/matplotlib \
+    NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     NCCL_DEBUG=WARN \
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \

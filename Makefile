@@ -43,14 +43,16 @@ bench: dev
 clean-runs:
 	rm -rf runs
 
-# Containers (see "Containers and Kubernetes" in the README; needs Docker, not run by the tests).
+# Containers (see "Containers and Kubernetes" in the README; tests/test_container.py builds and runs them).
 #   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
 #   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)
 #   make compose-down           remove its containers (the runs volume with the checkpoints stays)
 IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ddp-template:$(IMAGE_VERSION)
 PROFILE ?= gpu
-COMPOSE ?= docker compose
+# Compose v2 (the docker CLI plugin) where it is installed, else v1 (docker-compose, Debian 12's package)
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE_PROJECT ?= ddp-template
 
 .PHONY: docker-build compose-up compose-down
 
@@ -60,10 +62,10 @@ docker-build:
 		--build-arg SOURCE=$$(git config --get remote.origin.url | sed -E 's#//[^/@]*@#//#' | grep . || echo unknown) .
 
 compose-up: docker-build
-	IMAGE=$(IMAGE) $(COMPOSE) --profile $(PROFILE) up
+	IMAGE=$(IMAGE) $(COMPOSE) -p $(COMPOSE_PROJECT) --profile $(PROFILE) up
 
 compose-down:
-	IMAGE=$(IMAGE) $(COMPOSE) --profile gpu --profile cpu down
+	IMAGE=$(IMAGE) $(COMPOSE) -p $(COMPOSE_PROJECT) --profile gpu --profile cpu down
 
 # SLURM on this machine (root; needs: apt-get install slurmctld slurmd slurm-client munge): a real
 # 2-node cluster (n1, n2 on 127.0.0.1) to try slurm/train.sbatch. See "SLURM" in the README.

@@ -47,6 +47,7 @@ def test_allocated_gpus_that_cuda_cannot_use_fail_fast_in_one_line(tmp_path, all
     assert "needs NVIDIA driver >= 580" in lines[0] and not (tmp_path / "checkpoints").exists()
 
 
-def test_no_allocation_trains_on_cpu(tmp_path):
-    run_train(tmp_path, "train.steps=2", env=clean_env(CUDA_VISIBLE_DEVICES="", NVIDIA_VISIBLE_DEVICES="void",
+@pytest.mark.parametrize("nvidia", ["void", "all"])  # all: the image's default, which asks, grants nothing
+def test_no_allocation_trains_on_cpu(tmp_path, nvidia):
+    run_train(tmp_path, "train.steps=2", env=clean_env(CUDA_VISIBLE_DEVICES="", NVIDIA_VISIBLE_DEVICES=nvidia,
                                                        SLURM_GPUS_ON_NODE="0"))

@@ -43,6 +43,8 @@ def test_doctor_then_training_through_the_launcher(tmp_path):
     assert gbps > 0
     assert f"rank 0 on {HOST}" in table["/dev/shm"][0] and "GiB" in table["/dev/shm"][0]
     assert "writable" in table["checkpoint-dir"][0] and "served by a c10d store" in table["rendezvous"][0]
+    # the network between nodes, said plainly: on CPU gloo's TCP sockets (the image test checks the verbs)
+    assert f"rank 0 on {HOST}" in table["transport"][0] and "gloo: TCP sockets" in table["transport"][0]
     assert "doctor: all checks passed" in proc.stdout
     assert (tmp_path / "summary.json").exists()  # then it trained
 

@@ -113,6 +113,8 @@ def gpus_allocated(env: Mapping[str, str]) -> str | None:
     for name in GPU_ALLOCATION_VARS:
         value = env.get(name, "").strip()
         none = ("", "void", "none", "-1", "(null)", "n/a") + (("0",) if name.startswith("SLURM_") else ())
+        if name == "NVIDIA_VISIBLE_DEVICES":  # "all": an image's default (ours, the CUDA images), no grant
+            none += ("all",)
         if value.lower() not in none:
             return f"{name}={value}"
     return None

@@ -3,13 +3,17 @@
 Runs alone (one process) or under torchrun / the launcher (`python -m train.launch --doctor ...`),
 with the same config as training. Every rank checks what it can see; rank 0 prints one table:
 the world (ranks, nodes, devices per node), an all-reduce's correctness on every rank and its bus
-bandwidth, GPU health and NCCL version, /dev/shm, the checkpoint directory (writable, room), and the
+bandwidth, GPU health and NCCL version, the network transport NCCL chose (InfiniBand/RoCE or plain TCP
+sockets), /dev/shm, the checkpoint directory (writable, room), and the
 rendezvous endpoint. A failed row names the rank and host and what to fix; the exit code is 1 then.
 """
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
+import re
 import shutil
 import socket
 import sys
@@ -100,6 +104,49 @@ def _rendezvous(host: str) -> Row | None:
     return Row("rendezvous", ok, what, f"rank {os.environ.get('RANK', 0)} on {host}")
 
 
+def _rdma() -> str:
+    """What NCCL's InfiniBand/RoCE transport would find here: the verbs library and RDMA devices."""
+    try:
+        ctypes.CDLL("libibverbs.so.1")
+        lib = "libibverbs loads"
+    except OSError:
+        lib = "no libibverbs (install rdma-core's libibverbs1 ibverbs-providers)"
+    devices = sorted(os.path.basename(d) for d in glob.glob("/sys/class/infiniband/*"))
+    return f"{lib}, RDMA devices: {', '.join(devices) or 'none'}"
+
+
+def _nccl_log_setup() -> str:
+    """NCCL reports the network it picks only at INFO level: send that (INIT and NET only) to a file of
+    this process's own, so the doctor's output stays the table. Before the first NCCL communicator."""
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"doctor-nccl.{socket.gethostname()}.{os.getpid()}.log")
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=path)
+    return path
+
+
+def _transport(backend: str, nccl_log: str | None, where: str) -> Row:
+    """The network between nodes: NCCL's choice from its log ("Using network IB" / "NET/Socket"), and
+    said plainly when it is TCP sockets (slow across nodes; fine on one node, where NCCL uses NVLink/PCIe)."""
+    rdma = _rdma()
+    if backend != "nccl":
+        return Row("transport", True, f"{backend}: TCP sockets (CPU backend; NCCL's InfiniBand/RoCE is for GPUs); "
+                   f"{rdma}", where)
+    text = ""
+    if nccl_log and os.path.exists(nccl_log):
+        with open(nccl_log, errors="replace") as f:
+            text = f.read()
+        os.unlink(nccl_log)
+    found = re.findall(r"Using network (\w+)", text) or re.findall(r"NET/(IB|Socket)\b", text)
+    net = found[-1] if found else "unknown"
+    if net == "IB":
+        return Row("transport", True, f"NCCL network IB (InfiniBand/RoCE verbs); {rdma}", where)
+    if net == "Socket":
+        has_devices = not rdma.endswith("none")
+        return Row("transport", not has_devices, "NCCL network Socket: TCP sockets, not InfiniBand/RoCE; " + rdma + (
+            ": RDMA devices exist but NCCL does not use them: check NCCL_IB_DISABLE/NCCL_IB_HCA and the "
+            "device mounts" if has_devices else " (slow between nodes)"), where)
+    return Row("transport", True, f"NCCL network {net} (a plugin, or not reported); {rdma}", where)
+
+
 def _all_reduce(device, world: int, rank: int) -> tuple[bool, float, int]:
     """(correct here, bus bandwidth in bytes/s, message bytes): sum of (rank+1), then a timed loop."""
     import torch
@@ -133,12 +180,17 @@ def run(cfg, denv) -> int:
     from train import distributed
 
     host = socket.gethostname()
+    nccl_log = _nccl_log_setup() if cfg.dist.backend in ("nccl", "auto") and torch.cuda.is_available() else None
     device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
     try:
         rows = _local_checks(cfg, denv, device, host)
         if denv.local_rank == 0 and (rdzv := _rendezvous(host)):
             rows.append(rdzv)
         correct, busbw, nbytes = _all_reduce(device, denv.world_size, denv.rank)
+        if denv.local_rank == 0:
+            rows.append(_transport(dist.get_backend(), nccl_log, f"rank {denv.rank} on {host}"))
+        elif nccl_log and os.path.exists(nccl_log):
+            os.unlink(nccl_log)
         if not correct:
             rows.append(Row("all-reduce", False, "wrong sum: check this rank's GPU and network (NCCL_DEBUG=INFO)",
                             f"rank {denv.rank} on {host}"))
