@@ -96,3 +96,35 @@ def test_too_little_shm_and_no_room_for_the_checkpoints_fail_with_the_fix(tmp_pa
     assert "correct on 2/2 ranks" in table["all-reduce"][0]  # the rest of the table is still there
     assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
     assert not (small / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_a_rank_whose_all_reduce_is_wrong_fails_with_its_rank_and_host(tmp_path):
+    """A rank whose link or GPU corrupts the sum (here rank 1's all_reduce adds 1 after the real gloo
+    reduction of its first all-reduce, the doctor's check, injected by a sitecustomize only in that process):
+    a FAIL row naming it, and no training."""
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch.distributed as dist\n"
+        "    _real = dist.all_reduce\n"
+        "    def all_reduce(tensor, *args, **kwargs):\n"
+        "        work = _real(tensor, *args, **kwargs)\n"
+        "        tensor.add_(1)\n"
+        "        dist.all_reduce = _real\n"
+        "        return work\n"
+        "    dist.all_reduce = all_reduce\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fault), env.get("PYTHONPATH")) if p)
+    tiny = ["data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0",
+            "train.steps=2", "train.global_batch_size=16", "train.micro_batch_size=8"]
+    proc = subprocess.run([PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--", f"run.dir={tmp_path}/run",
+                           *tiny], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    table = rows(proc.stdout)
+    assert "FAIL" in table["all-reduce"][0] and "correct on 1/2 ranks" in table["all-reduce"][0], proc.stdout
+    assert any("FAIL" in r and f"rank 1 on {HOST}" in r and "wrong sum" in r for r in table["all-reduce"]), proc.stdout
+    assert not any(f"rank 0 on {HOST}" in r for r in table["all-reduce"])  # the healthy rank is not blamed
+    assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -259,7 +259,6 @@ def test_submit_requires_nodes_and_a_config():
 
 
 def test_submit_rendezvous_from_the_allocation(monkeypatch):
-    pytest.importorskip("submitit")
     from train.submit import TrainJob, parse_time
 
     job = TrainJob(["--config", "configs/default.yaml"], "1", str(ROOT), PY)
@@ -399,7 +398,6 @@ def test_sbatch_bad_config_is_one_line_and_not_requeued(slurm_cluster, tmp_path,
 
 
 def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_path, cleanup_jobs):
-    pytest.importorskip("submitit")
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
            *OVR, f"run.dir={run_dir}"]
