@@ -435,3 +435,77 @@ def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_p
     assert f"resumed from {run_dir}/checkpoints/step_{int(stopped.group(1)):08d}.pt" in every
     assert summary(run_dir)["steps"] == 16 and summary(run_dir)["world_size"] == 2
     same_weights(run_dir, reference)
+
+
+# ---------------------------------------------------------------- what is not requeued, and the bound
+
+def crashing_rank(tmp_path: Path) -> dict[str, str]:
+    """A job environment whose rank 1 crashes as it starts (exit 1, as a worker killed by a bug would),
+    every time: a sitecustomize on PYTHONPATH that only torchrun's workers with RANK=1 act on."""
+    fault = tmp_path / "fault"
+    fault.mkdir(exist_ok=True)
+    (fault / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1' and 'TORCHELASTIC_RUN_ID' in os.environ:\n"
+        "    print('rank 1: injected crash', flush=True)\n"
+        "    os._exit(1)\n")
+    return {"PYTHONPATH": str(fault)}
+
+
+def test_sbatch_crash_requeued_only_with_requeue_on_failure_and_at_most_max_requeues(slurm_cluster, tmp_path,
+                                                                                      cleanup_jobs):
+    """REQUEUE_ON_FAILURE=1 MAX_REQUEUES=1: a crashing run is requeued once, the second crash ends the job
+    FAILED with the bound named; without REQUEUE_ON_FAILURE the first crash ends it."""
+    fault = crashing_rank(tmp_path)
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, f"run.dir={tmp_path / 'run'}",
+                         env=job_env(REQUEUE_ON_FAILURE="1", MAX_REQUEUES="1", **fault))
+    cleanup_jobs.append(job_id)
+    info = wait_job(slurm_cluster, job_id)
+    log = out.read_text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "1", (info, log[-5000:])
+    assert log.count("rank 1: injected crash") == 2, log[-5000:]
+    assert f"requeueing job {job_id} (requeue 1 of at most 1)" in log, log[-5000:]
+    assert "not requeueing: already requeued 1 time(s) (MAX_REQUEUES=1)" in log, log[-5000:]
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    job_id, out = sbatch(slurm_cluster, plain, *OVR, f"run.dir={plain / 'run'}", env=job_env(**fault))
+    cleanup_jobs.append(job_id)
+    info = wait_job(slurm_cluster, job_id)
+    log = out.read_text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, log[-5000:])
+    assert "error: the job step failed" in log and "requeueing" not in log, log[-5000:]
+
+
+def test_sbatch_plain_scancel_cancels_without_requeue(slurm_cluster, tmp_path, cleanup_jobs):
+    run_dir = tmp_path / "run"
+    job_id, out = sbatch(slurm_cluster, tmp_path, *OVR, "train.steps=400", f"run.dir={run_dir}")
+    cleanup_jobs.append(job_id)
+    wait_steps(slurm_cluster, run_dir, 2, job_id)
+    assert slurm_cluster.run(["scancel", job_id], timeout=30).returncode == 0
+    info = wait_job(slurm_cluster, job_id, timeout=120)
+    time.sleep(15)  # longer than the cluster's cred_expire: a requeued job would be pending or running again
+    info = job_info(slurm_cluster, job_id)
+    log = out.read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, log[-5000:])
+    assert "got SIGTERM: the job is being cancelled or terminated by SLURM; not requeueing" in log, log[-5000:]
+    assert "requeueing job" not in log
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_submitit_does_not_requeue_a_crash(slurm_cluster, tmp_path, cleanup_jobs):
+    run_dir = tmp_path / "run"
+    cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
+           *OVR, f"run.dir={run_dir}"]
+    env = slurm_cluster.env(clean_env(**crashing_rank(tmp_path)))
+    proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    m = re.match(r"submitted job (\d+): 2 node\(s\)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    job_id = m.group(1)
+    cleanup_jobs.append(job_id)
+    info = wait_job(slurm_cluster, job_id, timeout=60)
+    every = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob(f"{job_id}_*_log.*")))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, every[-5000:])
+    assert "rank 1: injected crash" in every and "Requeued job" not in every, every[-5000:]
+    assert "SLURM_RESTART_COUNT=1" not in every
