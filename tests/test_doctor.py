@@ -66,13 +66,16 @@ def test_failures_name_the_rank_the_host_and_the_fix(tmp_path):
     assert "2 check(s) failed" in proc.stderr
 
 
-def test_a_failing_doctor_stops_the_launch_before_training(tmp_path):
+def test_an_unwritable_run_directory_stops_the_launch_before_the_doctor(tmp_path):
+    """The launcher checks the run directory itself before torchrun starts (one line, exit 2), so the
+    doctor never starts on it. A failing doctor stopping the launch: the /dev/shm and all-reduce tests."""
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = doctor(f"run.dir={blocker}/run", "train.steps=2")
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
-    assert proc.stdout.count("not writable") == 1  # one row: the node's first rank checks the folder
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the run directory {blocker}/run") and "run.dir=" in last, proc.stderr
+    assert "Traceback" not in proc.stderr and not rows(proc.stdout)  # no doctor table: it never ran
 
 
 def test_too_little_shm_and_no_room_for_the_checkpoints_fail_with_the_fix(tmp_path):
