@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,47 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 def latest_state(run_dir: Path) -> dict:
     ckpt = run_dir / "checkpoints"
     return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests on the project's image run last: its build (minutes from cold) runs in the background
+    while the others run (tests/engine.py)."""
+    on_image = [item for item in items if "image" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in on_image] + on_image
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or not any("image" in getattr(item, "fixturenames", ())
+                                                    for item in session.items):
+        return
+    from tests import engine
+
+    if engine.engine_problem() is None:  # without an engine the image fixture says why, in each test
+        engine.start_build()
+
+
+# Finished runs that several tests start from, made once per session (each launch costs ~5 s of imports
+# alone). Tests only read them; a test that changes a run works on its own copy (copy_run).
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """One process, TINY to its end (6 steps), checkpoints at steps 2, 4 and 6 (keep=3)."""
+    run_dir = tmp_path_factory.mktemp("finished_run")
+    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3")
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def finished_two_ranks(tmp_path_factory) -> Path:
+    """Two ranks under torchrun (gloo), TINY to its end (6 steps), checkpoints at steps 2, 4 and 6."""
+    run_dir = tmp_path_factory.mktemp("finished_two_ranks")
+    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3", nproc=2)
+    return run_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A private copy of a finished run to change or continue (its checkpoints name each other relatively)."""
+    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+    return dst
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from tests.conftest import (
     RNG_DRAWS,
     ROOT,
     clean_env,
+    copy_run,
     latest_state,
     metrics,
     run_train,
@@ -116,8 +117,8 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage):
-    run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
+def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage, finished_run):
+    copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
     ckpts = tmp_path / "checkpoints"
     latest = ckpts / "step_00000006.pt"
     raw = latest.read_bytes()
@@ -149,8 +150,9 @@ def _forge(path, payload: bytes) -> None:
 
 
 @pytest.mark.parametrize("content", ["not a checkpoint", "a pickle that runs code"])
-def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed(tmp_path, content):
-    run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
+def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed(tmp_path, content,
+                                                                                           finished_run):
+    copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
     ckpts, marker = tmp_path / "checkpoints", tmp_path / "pwned"
     if content == "not a checkpoint":
         payload = b"PK\x03\x04" + os.urandom(4096)  # a zip's magic, then nothing torch can read
@@ -171,8 +173,8 @@ def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never
     assert not marker.exists()  # loaded with weights_only: the payload never ran
 
 
-def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path):
-    run_train(tmp_path, "checkpoint.every=3")
+def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path, finished_run):
+    copy_run(finished_run, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
     proc = run_train(tmp_path, "model.name=resnet34", "train.steps=9", expect=2)
     assert "does not match model.name=resnet34" in proc.stderr and "missing, first layer1.2" in proc.stderr
@@ -201,30 +203,27 @@ def test_retention_keeps_exactly_what_the_config_says(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010.pt"
 
 
-def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path):
-    sync, asyn = tmp_path / "sync", tmp_path / "async"
-    run_train(sync, "checkpoint.every=2", nproc=2)
-    run_train(asyn, "checkpoint.every=2", "checkpoint.async=true", nproc=2)
+def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path, finished_two_ranks):
+    sync, asyn = finished_two_ranks, tmp_path / "async"  # the same run, saving in the background
+    run_train(asyn, "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.async=true", nproc=2)
     for step in (4, 6):
         a = checkpoint.read_checkpoint(sync / "checkpoints" / f"step_{step:08d}.pt")
         b = checkpoint.read_checkpoint(asyn / "checkpoints" / f"step_{step:08d}.pt")
         assert_same_weights(a["model"], b["model"])
 
 
-def test_resume_never_and_resume_from_a_path(tmp_path):
-    first, fresh, branch = tmp_path / "first", tmp_path / "fresh", tmp_path / "branch"
-    run_train(first, "checkpoint.every=3")
-    run_train(fresh, "checkpoint.every=3", "resume=never")
-    proc = run_train(branch, f"resume={first / 'checkpoints' / 'step_00000003.pt'}", "train.steps=6")
-    assert "at step 3" in proc.stdout
+def test_resume_never_and_resume_from_a_path(tmp_path, finished_run):
+    fresh, branch = tmp_path / "fresh", tmp_path / "branch"
+    run_train(fresh, "checkpoint.every=2", "resume=never")
+    proc = run_train(branch, f"resume={finished_run / 'checkpoints' / 'step_00000004.pt'}", "train.steps=6")
+    assert "at step 4" in proc.stdout
     assert_same_weights(latest_state(branch)["model"], latest_state(fresh)["model"])
     proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
     assert "is neither a checkpoint file nor a folder" in proc.stderr
 
 
-def test_weights_load_without_this_package(tmp_path):
-    run_train(tmp_path)
-    path = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+def test_weights_load_without_this_package(finished_run):
+    path = finished_run / "checkpoints" / (finished_run / "checkpoints" / "latest").read_text().strip()
     state = torch.load(path, weights_only=True)  # plain tensors and types only
     net = model.build(config.ModelConfig(), 10, 16)
     net.load_state_dict(state["model"])
@@ -232,10 +231,10 @@ def test_weights_load_without_this_package(tmp_path):
     assert set(state) >= {"model", "optimizer", "scaler", "step", "data", "rng", "config", "tracker"}
 
 
-def test_relaunching_a_finished_run_changes_nothing(tmp_path):
-    run_train(tmp_path)
+def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):
+    copy_run(finished_run, tmp_path)
     before = (tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()
-    proc = run_train(tmp_path)
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")  # the same command again
     assert "already complete at step 6" in proc.stdout
     assert ((tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
     assert json.loads(before[0])["steps"] == 6 and os.path.exists(tmp_path / "config.yaml")

@@ -15,7 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OBSERVED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_cmd
+from tests.conftest import (
+    OBSERVED,
+    PY,
+    ROOT,
+    TINY,
+    clean_env,
+    copy_run,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_cmd,
+)
 
 SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]  # stops land inside log windows of 5 steps
 SLOW_EVAL = ["data.image_size=32", "data.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
@@ -273,17 +285,18 @@ def test_more_sigterms_to_torchrun_do_not_lose_the_save(tmp_path):
 
 @pytest.mark.parametrize("first", ["fp32", "bf16"])
 def test_resuming_with_fp16_starts_a_fresh_loss_scaler(tmp_path, first):
-    run_train(tmp_path, f"train.precision={first}", "train.steps=3")
-    proc = run_train(tmp_path, "train.precision=fp16", "train.steps=5")
+    small = ["data.image_size=8", "data.eval_samples=16"]  # half-precision convolutions are slow on CPU
+    run_train(tmp_path, *small, f"train.precision={first}", "train.steps=1")
+    proc = run_train(tmp_path, *small, "train.precision=fp16", "train.steps=2")
     text = proc.stdout + proc.stderr
     assert "Traceback" not in text and "starts a fresh GradScaler" in text
-    assert summary(tmp_path)["steps"] == 5 and latest_state(tmp_path)["scaler"]["scale"] > 0
-    proc = run_train(tmp_path, "train.precision=fp32", "train.steps=6")  # and back: the scaler is not needed
-    assert "Traceback" not in proc.stderr and summary(tmp_path)["steps"] == 6
+    assert summary(tmp_path)["steps"] == 2 and latest_state(tmp_path)["scaler"]["scale"] > 0
+    proc = run_train(tmp_path, *small, "train.precision=fp32", "train.steps=3")  # and back: the scaler is not needed
+    assert "Traceback" not in proc.stderr and summary(tmp_path)["steps"] == 3
 
 
-def test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing(tmp_path):
-    run_train(tmp_path, "checkpoint.every=3")
+def test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing(tmp_path, finished_run):
+    copy_run(finished_run, tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     proc = run_train(tmp_path, "resume=never", expect=2)
     assert proc.stderr.count("\n") == 1 and "resume=never" in proc.stderr and "run.name or run.dir" in proc.stderr
@@ -292,14 +305,14 @@ def test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing(
     assert logged_steps(tmp_path / "fresh") == [1, 2, 3, 4, 5, 6]
 
 
-def test_evaluation_uses_the_saved_batchnorm_statistics_on_every_rank(tmp_path):
+def test_evaluation_uses_the_saved_batchnorm_statistics_on_every_rank(tmp_path, finished_two_ranks):
     """Two ranks evaluate with rank 0's BatchNorm statistics, the ones saved: the result equals one
     process evaluating the saved checkpoint, and the end-of-run check covers the buffers."""
-    run_train(tmp_path, "train.steps=6", nproc=2)
+    copy_run(finished_two_ranks, tmp_path)  # 2 ranks, 6 steps
     two = summary(tmp_path)
     assert two["ranks_in_sync"]
     (tmp_path / "summary.json").unlink()  # the relaunch finishes the run again: one process evaluates
-    proc = run_train(tmp_path, "train.steps=6")
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
     one = summary(tmp_path)
     assert "done: 6 steps" in proc.stdout and one["world_size"] == 1
     assert one["eval_accuracy"] == two["eval_accuracy"]
