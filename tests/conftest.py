@@ -84,16 +84,18 @@ def latest_state(run_dir: Path) -> dict:
     return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
 
 
+def _on_image(item) -> bool:
+    return "image" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
     """The tests on the project's image run last: its build (minutes from cold) runs in the background
     while the others run (tests/engine.py)."""
-    on_image = [item for item in items if "image" in getattr(item, "fixturenames", ())]
-    items[:] = [item for item in items if item not in on_image] + on_image
+    items.sort(key=_on_image)  # stable: each group keeps its order
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or not any("image" in getattr(item, "fixturenames", ())
-                                                    for item in session.items):
+    if session.config.option.collectonly or not any(map(_on_image, session.items)):
         return
     from tests import engine
 

@@ -103,9 +103,8 @@ def build_image() -> float:
     return time.monotonic() - start
 
 
-def prepare_image() -> float:
-    """The base (pulled, else stood in) and then the image; the seconds it took."""
-    start = time.monotonic()
+def prepare_image() -> None:
+    """The base (pulled, else stood in) and then the image."""
     problem = engine_problem()
     if problem:
         required("a Docker engine", problem)
@@ -116,10 +115,9 @@ def prepare_image() -> float:
         except AssertionError:
             make_standin_base(base)
     build_image()
-    return time.monotonic() - start
 
 
-_build: dict = {}  # the background build: its thread, then "seconds" or the "error" it raised
+_build: dict = {}  # the background build: its thread, and the "error" it raised, if any
 
 
 def start_build() -> None:
@@ -129,7 +127,7 @@ def start_build() -> None:
 
     def work() -> None:
         try:
-            _build["seconds"] = prepare_image()
+            prepare_image()
         except BaseException as e:  # pytest's skip and fail too: the fixture raises them in the test
             _build["error"] = e
 
