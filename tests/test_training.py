@@ -31,20 +31,31 @@ def _close(a: dict, b: dict, rtol: float = 0.05) -> None:
             assert moved > 0 and (a[k] - b[k]).norm() <= rtol * moved, f"{k} differs"
 
 
-def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, *GROUPNORM, "train.micro_batch_size=16", "checkpoint.every=6")
-    run_train(two, *GROUPNORM, "checkpoint.every=6", nproc=2)  # 2 ranks x 8
+# Two ranks x 8 traced by the profiler for two steps (which changes no number): the all-reduce count.
+TRACED = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]
+
+
+@pytest.fixture(scope="module")
+def groupnorm_runs(tmp_path_factory):
+    """The runs the averaging tests compare against, made once: one process with the whole batch of 16
+    ("whole"), and 2 ranks x 8 under the profiler ("two")."""
+    runs = tmp_path_factory.mktemp("groupnorm")
+    run_train(runs / "whole", *GROUPNORM, "train.micro_batch_size=16")
+    run_train(runs / "two", *GROUPNORM, *TRACED, nproc=2)
+    return runs
+
+
+def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(groupnorm_runs):
+    one, two = groupnorm_runs / "whole", groupnorm_runs / "two"
     assert summary(one)["world_size"] == 1 and summary(two)["world_size"] == 2
     _close(latest_state(one)["model"], latest_state(two)["model"])
     assert summary(two)["ranks_in_sync"] is True  # every rank ends with bitwise the same weights
 
 
-def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
-    big, accum = tmp_path / "big", tmp_path / "accum"
-    run_train(big, *GROUPNORM, "train.micro_batch_size=16")
+def test_gradient_accumulation_equals_a_larger_batch(tmp_path, groupnorm_runs):
+    accum = tmp_path / "accum"
     run_train(accum, *GROUPNORM, "train.micro_batch_size=4")  # 4 micro-steps of 4
-    _close(latest_state(big)["model"], latest_state(accum)["model"])
+    _close(latest_state(groupnorm_runs / "whole")["model"], latest_state(accum)["model"])
 
 
 def _all_reduces(run_dir) -> int:
@@ -53,14 +64,12 @@ def _all_reduces(run_dir) -> int:
     return sum(e.get("name") == "gloo:all_reduce" for e in json.loads(trace.read_text())["traceEvents"])
 
 
-def test_accumulation_skips_the_all_reduce_with_two_ranks(tmp_path):
+def test_accumulation_skips_the_all_reduce_with_two_ranks(tmp_path, groupnorm_runs):
     """2 ranks x 2 micro-steps x 4 all-reduce the gradients once per step, like 2 ranks x 1 x 8: the first
     micro-step runs under no_sync (counted in the profiler's trace of two steps; the final weights of
     the two would be equal either way)."""
-    plain, accum = tmp_path / "plain", tmp_path / "accum"
-    traced = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]
-    run_train(plain, *GROUPNORM, *traced, nproc=2)
-    run_train(accum, *GROUPNORM, *traced, "train.micro_batch_size=4", nproc=2)
+    plain, accum = groupnorm_runs / "two", tmp_path / "accum"
+    run_train(accum, *GROUPNORM, *TRACED, "train.micro_batch_size=4", nproc=2)
     assert _all_reduces(plain) >= 4 and _all_reduces(accum) == _all_reduces(plain)
 
 
