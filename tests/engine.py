@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -94,13 +93,11 @@ def make_standin_base(name: str) -> None:
         assert imported.returncode == 0, imported.stderr
 
 
-def build_image() -> float:
-    """`make docker-build`, as a user runs it; its wall time in seconds."""
-    start = time.monotonic()
+def build_image() -> None:
+    """`make docker-build`, as a user runs it."""
     proc = subprocess.run(["make", "docker-build", f"IMAGE={IMAGE}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=3600)
     assert proc.returncode == 0, f"make docker-build failed\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
-    return time.monotonic() - start
 
 
 def prepare_image() -> None:
