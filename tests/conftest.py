@@ -88,9 +88,28 @@ def _on_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
 
+# `make test` runs the suite in two passes: first the tests not marked `serial`, two at a time (pytest-xdist,
+# one per core: most of a test is waiting on process start-up, a rendezvous or a restart), then the `serial`
+# ones alone. Serial: a test holding one fixed resource of the machine, or asserting a deadline or a timing
+# ratio that a second test's load on the 2 cores would move.
+SERIAL_FILES = {
+    "test_slurm.py": "one SLURM cluster on fixed ports",
+    "test_hosts.py": "real hosts: fixed addresses, a bridge and an iptables rule",
+    "test_container.py": "the Docker engine and one compose project",
+    "test_stops.py": "stop deadlines",
+    "test_elastic.py": "restart, hang and rendezvous deadlines",
+    "test_observability.py": "straggler ratios between ranks",
+}
+SERIAL_FIXTURES = {"make_hosts", "image"}  # real hosts; the image's background build (tests/engine.py)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests on the project's image run last: its build (minutes from cold) runs in the background
-    while the others run (tests/engine.py)."""
+    """Mark the serial tests (above). The tests on the project's image run last: its build (minutes from
+    cold) runs in the background while the others run (tests/engine.py)."""
+    for item in items:
+        if item.path.name in SERIAL_FILES or SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
     items.sort(key=_on_image)  # stable: each group keeps its order
 
 
