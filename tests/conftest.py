@@ -89,8 +89,8 @@ def _on_image(item) -> bool:
 
 
 # `make test` runs the suite in two passes: first the tests not marked `serial`, two at a time (pytest-xdist,
-# one per core: most of a test is waiting on process start-up, a rendezvous or a restart), then the `serial`
-# ones alone. Serial: a test holding one fixed resource of the machine, or asserting a deadline or a timing
+# one per core: on 2 cores that pass went from about 15 minutes run one at a time to 11-12), then the
+# `serial` ones alone. Serial: a test holding one fixed resource of the machine, or asserting a deadline or a timing
 # ratio that a second test's load on the 2 cores would move.
 SERIAL_FILES = {
     "test_slurm.py": "one SLURM cluster on fixed ports",
