@@ -29,15 +29,11 @@ dev: $(VENV)/.dev
 train-local: venv
 	$(PY) -m train.launch $(if $(NPROC),--nproc-per-node=$(NPROC)) -- --config $(CONFIG) $(ARGS)
 
-# Two passes (tests/conftest.py says which tests are serial and why): the others TEST_WORKERS at a time,
-# then the serial ones alone. PYTEST_ARGS go to both; a pass that selects nothing (pytest's exit 5) is
-# fine as long as the other selects something.
+# TEST_WORKERS test files at a time (pytest-xdist, --dist loadfile): a file's tests run in order on one
+# worker, so the files that hold one resource (SLURM's cluster, the Docker engine) never share it, while
+# the tests that wait on deadlines overlap the ones that compute. tests/conftest.py orders the files.
 test: dev
-	@one=0; two=0; \
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || one=$$?; \
-	$(PY) -m pytest -m serial $(PYTEST_ARGS) || two=$$?; \
-	if [ $$one = 5 ] && [ $$two = 5 ]; then exit 5; fi; \
-	for rc in $$one $$two; do if [ $$rc != 0 ] && [ $$rc != 5 ]; then exit $$rc; fi; done
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check train tests bench

@@ -84,38 +84,29 @@ def latest_state(run_dir: Path) -> dict:
     return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
 
 
-def _on_image(item) -> bool:
+# `make test` runs the files two at a time (pytest-xdist's --dist loadfile, one per core): a file's tests
+# run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster,
+# test_container's Docker engine and compose project) never shares it, and the tests that mostly wait (stop
+# budgets, restarts, rendezvous and SLURM's scheduling: a third of the CPU idle when they ran alone) overlap
+# the ones that compute. Real hosts carry random names, addresses and bridges (tests/hosts.py), so two files
+# can use them at once.
+def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
 
-# `make test` runs the suite in two passes: first the tests not marked `serial`, two at a time (pytest-xdist,
-# one per core: on 2 cores that pass went from about 15 minutes run one at a time to 11-12), then the
-# `serial` ones alone. Serial: a test holding one fixed resource of the machine, or asserting a deadline or a timing
-# ratio that a second test's load on the 2 cores would move.
-SERIAL_FILES = {
-    "test_slurm.py": "one SLURM cluster on fixed ports",
-    "test_hosts.py": "real hosts: fixed addresses, a bridge and an iptables rule",
-    "test_container.py": "the Docker engine and one compose project",
-    "test_stops.py": "stop deadlines",
-    "test_elastic.py": "restart, hang and rendezvous deadlines",
-    "test_observability.py": "straggler ratios between ranks",
-}
-SERIAL_FIXTURES = {"make_hosts", "image"}  # real hosts; the image's background build (tests/engine.py)
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the serial tests (above). The tests on the project's image run last: its build (minutes from
-    cold) runs in the background while the others run (tests/engine.py)."""
-    for item in items:
-        if item.path.name in SERIAL_FILES or SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.serial)
-    items.sort(key=_on_image)  # stable: each group keeps its order
+    """The files with tests on the project's image run last: its build (minutes from cold) runs in the
+    background while the others run (tests/engine.py)."""
+    image_files = {item.path for item in items if _uses_image(item)}
+    items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or not any(map(_on_image, session.items)):
+    if session.config.option.collectonly or not any(map(_uses_image, session.items)):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one worker builds in the background; another one's image fixture waits for it (engine.py)
     from tests import engine
 
     if engine.engine_problem() is None:  # without an engine the image fixture says why, in each test

@@ -15,6 +15,7 @@ takes only the cores the tests leave idle."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -114,6 +115,7 @@ def prepare_image() -> None:
     build_image()
 
 
+BUILD_LOCK = Path(tempfile.gettempdir()) / "ddp-template-image-build.lock"
 _build: dict = {}  # the background build: its thread, and the "error" it raised, if any
 
 
@@ -124,7 +126,11 @@ def start_build() -> None:
 
     def work() -> None:
         try:
-            prepare_image()
+            # One build at a time on this machine: under pytest-xdist each worker is a process of its own,
+            # and the second to get here finds the image built (Docker's cache makes that seconds).
+            with BUILD_LOCK.open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                prepare_image()
         except BaseException as e:  # pytest's skip and fail too: the fixture raises them in the test
             _build["error"] = e
 
