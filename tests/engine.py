@@ -115,7 +115,7 @@ def prepare_image() -> None:
     build_image()
 
 
-BUILD_LOCK = Path(tempfile.gettempdir()) / "ddp-template-image-build.lock"
+BUILD_LOCK = Path(tempfile.gettempdir()) / f"ddp-template-image-build.{os.getuid()}.lock"
 _build: dict = {}  # the background build: its thread, and the "error" it raised, if any
 
 
