@@ -122,9 +122,11 @@ def test_a_rank_whose_all_reduce_is_wrong_fails_with_its_rank_and_host(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fault), env.get("PYTHONPATH")) if p)
     tiny = ["data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0",
             "train.steps=2", "train.global_batch_size=16", "train.micro_batch_size=8"]
-    proc = subprocess.run([PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--", f"run.dir={tmp_path}/run",
-                           *tiny], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--max-restarts=2", "--",
+                           f"run.dir={tmp_path}/run", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("correct on 1/2 ranks") == 1, proc.stdout  # the doctor ran once: never retried
     table = rows(proc.stdout)
     assert "FAIL" in table["all-reduce"][0] and "correct on 1/2 ranks" in table["all-reduce"][0], proc.stdout
     assert any("FAIL" in r and f"rank 1 on {HOST}" in r and "wrong sum" in r for r in table["all-reduce"]), proc.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from train import config
 from train.config import ConfigError
 
 EXIT_USAGE = 2
+LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # set by train/launch.py for its workers
+USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,40 +31,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _mark_usage_error(run_dir: Path, error: str) -> None:
-    """Under torchrun, which would restart the workers on any failure: tell the launcher (train/launch.py)
-    that this one is a usage error, so it stops torchrun instead of letting it retry (every rank writes
-    the same marker; the last rename wins)."""
+    """Under the launcher (train/launch.py), which would otherwise see torchrun restart the workers as after
+    a crash: tell it that this one is a usage error, so it stops torchrun (every rank writes the same
+    marker; the last rename wins). The launcher reads it by the id of its launch."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / f".USAGE_ERROR.{os.getpid()}"
-        tmp.write_text(json.dumps({"time": time.time(), "error": error}))
+        tmp.write_text(json.dumps({"time": time.time(), "error": error, "launch_id": os.environ[LAUNCH_ID_VAR]}))
         os.replace(tmp, run_dir / "USAGE_ERROR")
     except OSError:
-        pass  # the launcher then sees an ordinary failure
+        return  # the launcher then sees an ordinary failure
+    # Wait for the launcher to stop torchrun (it polls twice a second): exiting now would let torchrun
+    # restart this worker, which would fail the same way (--max-restarts times, each with its line).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(USAGE_WAIT_S)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Usage errors, whether found in the config or by the trainer (data, devices, checkpoints, tracker),
+    end here: one line, exit 2, and under the launcher a marker so that torchrun does not retry them."""
     args = parse_args(argv)
-    cfg = None
+    cfg = denv = None
     try:
         cfg = config.load(args.config, args.overrides)
         from train import distributed  # imports torch: only once the config is known to be good
 
         denv = distributed.detect()
         config.validate(cfg, denv.world_size)
+        if args.check:
+            import yaml
+
+            print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
+            return 0
+        from train import trainer
+
+        return trainer.run(cfg, denv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        if cfg is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
+        prefix = f"[rank {denv.rank}] " if denv is not None and denv.world_size > 1 else ""
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        if cfg is not None and os.environ.get(LAUNCH_ID_VAR):
             _mark_usage_error(cfg.run_dir, str(e))
         return EXIT_USAGE
-    if args.check:
-        import yaml
-
-        print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
-        return 0
-    from train import trainer
-
-    return trainer.run(cfg, denv)
 
 
 if __name__ == "__main__":

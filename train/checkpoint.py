@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 
 from train.config import Config, ConfigError, to_dict
+from train.distributed import launch_id
 
 FORMAT = 1
 NAME = re.compile(r"^step_(\d{8})\.pt$")
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
-STOP_SIGNALS = ("SIGTERM", "SIGINT")  # always a stop (torchrun, Kubernetes, SLURM, Ctrl-C); plus checkpoint.signal
+# Always a stop (torchrun, Kubernetes, SLURM, Ctrl-C, a hang-up); plus checkpoint.signal. torchrun passes TERM,
+# INT, HUP and QUIT on to the workers as they came; HUP stays ignored where it was (nohup: see train/launch.py).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 # ---------------------------------------------------------------- files
@@ -235,14 +238,18 @@ class Checkpointer:
 
     # ---- stop requests
     def install_signal_handler(self) -> None:
-        """SIGTERM (what torchrun, Kubernetes and SLURM send), SIGINT (Ctrl-C) and checkpoint.signal
-        request a stop. A second signal changes nothing: the save it asked for is already coming."""
+        """SIGTERM (what torchrun, Kubernetes and SLURM send), SIGINT (Ctrl-C), SIGHUP and SIGQUIT (which
+        torchrun passes on unchanged) and checkpoint.signal request a stop. A second signal changes nothing:
+        the save it asked for is already coming."""
 
         def request_stop(signum, frame):  # only sets a flag: the ranks agree at the next step or eval batch
             self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
         for name in {*STOP_SIGNALS, self.cfg.checkpoint.signal}:
-            signal.signal(getattr(signal, name), request_stop)
+            sig = getattr(signal, name)
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup
+            signal.signal(sig, request_stop)
 
     def stop_agreed(self, device: torch.device) -> bool:
         """All ranks agree to stop if any got the signal (an all-reduce, so nobody waits alone): a signal
@@ -254,10 +261,20 @@ class Checkpointer:
         self.stopping = bool(flag.item())
         return self.stopping
 
+    def _mark(self, name: str, step: int, **fields) -> None:
+        """A marker for the launcher (train/launch.py), which reads it by the id of its launch."""
+        marker = {"step": step, "time": time.time(), "launch_id": launch_id()} | fields
+        _write_atomic(self.cfg.run_dir / name, lambda f: f.write(json.dumps(marker).encode()))
+
     def _mark_stopped(self, step: int) -> None:
         """Tell the launcher this exit was a stop after a checkpoint, not a crash (removed on resume)."""
-        marker = {"step": step, "signal": self.stop_signal, "time": time.time()}
-        _write_atomic(self.cfg.run_dir / "STOPPED", lambda f: f.write(json.dumps(marker).encode()))
+        self._mark("STOPPED", step, signal=self.stop_signal)
+
+    def mark_started(self, step: int) -> None:
+        """Tell the launcher training begins (every rank is resumed and handles stop signals): a stop from
+        now on must end with a checkpoint; one that came earlier lost nothing."""
+        if self.rank == 0:
+            self._mark("STARTED", step)
 
     # ---- saving
     def due(self, step: int) -> bool:

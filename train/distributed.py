@@ -263,18 +263,31 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def launch_id() -> str | None:
+    """The id train/launch.py gives each of its launches (None under a bare torchrun, srun or python)."""
+    return os.environ.get("TRAIN_LAUNCH_ID") or None
+
+
 def hostname() -> str:
     return socket.gethostname()
 
 
 def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
-    """A one-line reading of a collective's failure, or None when it is not one."""
-    text = str(exc)
+    """A one-line reading of a collective's failure, or None when it is not one. The whole chain of causes
+    is read: torch words one failure differently depending on where it surfaced (a DataLoader worker
+    killed by a signal is `DataLoader worker (pid(s) N) exited unexpectedly`, the signal in its cause)."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = "\n".join(chain)
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
-    if m := re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: ?([^.]*)", text):
-        return (f"a DataLoader worker was killed ({m[1] or 'signal'}; often the out-of-memory killer): lower "
+    if re.search(r"DataLoader worker \(pid[^)]*\) (is killed by signal|exited unexpectedly)", text):
+        signal_name = next(iter(re.findall(r"is killed by signal: ?([^.\n]*)", text)), "") or "signal"
+        return (f"a DataLoader worker was killed ({signal_name}; often the out-of-memory killer): lower "
                 "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
                 "restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):

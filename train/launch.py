@@ -8,9 +8,13 @@ than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob'
 hosts the c10d rendezvous.
 
 The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
-Stop signals (TERM, INT, USR1, USR2, HUP) are passed to torchrun once, as SIGTERM, which it passes on
-to the workers; they checkpoint and the launcher exits 75 ("requeue me") if, and only if, a checkpoint
-written after the stop exists. The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
+One signal handler, installed on main()'s first line, serves the launcher's whole life: stop signals
+(TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
+torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
+("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
+training began (nothing was trained since the last checkpoint). Markers in the run directory (STARTED,
+STOPPED, USAGE_ERROR, summary.json) are read by this launch's id (TRAIN_LAUNCH_ID), never by clocks.
+The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
 When torchrun fails, the launcher ends with one line saying why and what to try.
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -41,7 +46,10 @@ from train.config import ConfigError
 
 EXIT_USAGE = 2
 EXIT_REQUEUE = 75  # the same code a worker exits with after a signal-triggered checkpoint
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and QUIT
+# on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # this launch's id, given to the workers, written into their markers
 
 # option -> (its environment variables, default)
 OPTIONS = {
@@ -267,13 +275,15 @@ def check_world(cfg: config.Config, cmd: list[str]) -> None:
         config.validate(cfg, int(bounds[0]) * int(flags["nproc-per-node"]))
 
 
-def _usage_error_since(run_dir: Path, since: float) -> str | None:
-    """A worker's usage error during this launch (train/__main__.py's USAGE_ERROR marker): its line."""
+def _marker(run_dir: Path, name: str, launch_id: str) -> dict | None:
+    """A marker the workers wrote during this launch (train/__main__.py's USAGE_ERROR, checkpoint.py's STARTED
+    and STOPPED, log.py's summary.json): judged by this launch's id, which every node agrees on, not by
+    clocks, which may differ between hosts."""
     try:
-        marker = json.loads((run_dir / "USAGE_ERROR").read_text())
-        return marker["error"] if marker["time"] >= since else None
-    except (OSError, ValueError, KeyError, TypeError):
+        marker = json.loads((run_dir / name).read_text())
+    except (OSError, ValueError):
         return None
+    return marker if isinstance(marker, dict) and marker.get("launch_id") == launch_id else None
 
 
 def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -286,7 +296,50 @@ class _Stopped(Exception):
     pass
 
 
-def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dict[str, str | None]:
+class Signals:
+    """The launcher's one handler for stop signals, from the first line of main() to its exit. It records
+    each signal; the first one is passed on to the running torchrun (the doctor's or the training's) as
+    SIGTERM, once; one that comes while no torchrun runs is seen by main() before it starts the next."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[int, float]] = []  # (signal, time)
+        self.child: subprocess.Popen | None = None
+        self.forwarded = False
+        self.workers: set[int] = set()  # the training processes, known when the stop came
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: a hang-up is not a stop, here or in torchrun and the workers
+            signal.signal(sig, self._handle)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received[0][0]).name if self.received else "a stop signal"
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append((signum, time.time()))
+        self._forward()
+
+    def _forward(self) -> None:
+        if self.received and not self.forwarded and self.child is not None and self.child.poll() is None:
+            self.forwarded = True
+            self.workers.update(_children(self.child.pid))  # known now, in case torchrun ends before they do
+            self.child.send_signal(signal.SIGTERM)
+
+    def run(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Start torchrun; a stop that came before it started reaches it at once."""
+        self.child = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
+        self._forward()
+        return self.child
+
+    def check(self) -> None:
+        """Raise _Stopped if a stop came (between the steps of the launcher's own work)."""
+        if self.received:
+            raise _Stopped(self.name)
+
+
+def wait_for_rendezvous(opts: dict[str, str | None], signals: Signals, poll_s: float = 1.0) -> dict[str, str | None]:
     """Block until this node can join the rendezvous: it hosts it, or the host's name resolves and its
     port answers. A node started before the rendezvous host waits for it, within the join timeout, as
     torchrun itself would. Returns the options for torchrun: rdzv_conf, and local_addr, the address
@@ -297,6 +350,7 @@ def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dic
     timeout = join_timeout(conf)
     deadline, said = time.monotonic() + timeout, None
     while True:
+        signals.check()
         kind, what, local = probe_endpoint(endpoint)
         if kind == HELD:
             raise RuntimeError(what)
@@ -310,6 +364,7 @@ def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dic
             print(f"launch: waiting up to {timeout:g} s for the rendezvous host: {what}", file=sys.stderr, flush=True)
             said = what
         time.sleep(poll_s)
+    signals.check()
     if said:
         print(f"launch: {what}", file=sys.stderr, flush=True)
     # torchrun hosts the store only where the endpoint's name is this machine's hostname or resolves to
@@ -328,27 +383,6 @@ def wait_for_rendezvous(opts: dict[str, str | None], poll_s: float = 1.0) -> dic
         if not ours:
             conf = f"{conf},is_host=1" if conf else "is_host=1"
     return opts | {"rdzv_conf": conf, "local_addr": opts.get("local_addr") or local}
-
-
-CLOCK_SLACK_S = 2.0  # the marker may be written by another node, whose clock may be a little behind
-
-
-def _stopped_since(run_dir: Path, since: float) -> bool:
-    """Whether the workers wrote a checkpoint on a stop since `since` (checkpoint.py's STOPPED marker,
-    written after the save is complete)."""
-    marker = run_dir / "STOPPED"
-    try:
-        return json.loads(marker.read_text())["time"] >= since - CLOCK_SLACK_S
-    except (OSError, ValueError, KeyError):
-        return False
-
-
-def _finished_since(run_dir: Path, since: float) -> bool:
-    """Whether the run completed (summary.json written) since `since`."""
-    try:
-        return (run_dir / "summary.json").stat().st_mtime >= since - CLOCK_SLACK_S
-    except OSError:
-        return False
 
 
 def explain(output: str, opts: dict[str, str | None]) -> str:
@@ -370,6 +404,8 @@ def explain(output: str, opts: dict[str, str | None]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals = Signals()
+    signals.install()  # first: a stop during the launcher's own work is never lost, nor kills it half-way
     args, train_args = parse_args(argv)
     try:
         cfg = check_training_args(train_args)
@@ -388,40 +424,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
-    if opts["rdzv_endpoint"]:
-        try:
-            opts = _interruptible(wait_for_rendezvous, opts)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except _Stopped as e:
-            print(f"launch: stopped on {e} while waiting for the rendezvous host; nothing ran yet: relaunch to "
-                  f"continue (exit {EXIT_REQUEUE})", file=sys.stderr)
-            return EXIT_REQUEUE
-        cmd = torchrun_command(opts, train_args)
-    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
-    debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
-    if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
-        # Its own rendezvous id: a finished rendezvous is closed and could not host the training.
-        doctor = torchrun_command(opts | {"rdzv_id": f"{opts['rdzv_id']}-doctor"}, train_args, "train.doctor")
-        print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
-        failure = "error: the preflight doctor failed: see its FAIL rows above"
-        if (rc := _run(doctor, opts, cfg, failure, debug)) != 0:
-            return rc
-    return _run(cmd, opts, cfg, debug=debug)
-
-
-def _interruptible(fn, *args):
-    """fn(*args), ended by _Stopped on a stop signal (the handlers are restored afterwards)."""
-    def stopped(signum, frame):
-        raise _Stopped(signal.Signals(signum).name)
-
-    before = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS}
     try:
-        return fn(*args)
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+        if opts["rdzv_endpoint"]:
+            try:
+                opts = wait_for_rendezvous(opts, signals)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            cmd = torchrun_command(opts, train_args)
+        debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
+        if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
+            # Once (a failed check is not retried), with its own rendezvous id: a finished rendezvous is
+            # closed and could not host the training.
+            doctor = torchrun_command(opts | {"rdzv_id": f"{opts['rdzv_id']}-doctor", "max_restarts": "0"},
+                                      train_args, "train.doctor")
+            print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
+            signals.check()
+            failure = "error: the preflight doctor failed: see its FAIL rows above"
+            if (rc := _run(doctor, opts, cfg, signals, failure, debug)) != 0:
+                return rc
+        signals.check()
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+        return _run(cmd, opts, cfg, signals, debug=debug)
+    except _Stopped as e:
+        print(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
+              f"relaunch to continue (exit {EXIT_REQUEUE})", file=sys.stderr)
+        return EXIT_REQUEUE
 
 
 def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:
@@ -480,18 +508,22 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
-def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failure: str | None = None,
-         debug: bool = False) -> int:
-    """Run torchrun, forwarding stop signals; map its end to 0, 75 (stopped after a checkpoint, requeue)
-    or 1 (one line)."""
-
-    started, stop, workers = time.time(), [], set()  # stop: (signal, time) received; workers: their pids
+def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signals: Signals,
+         failure: str | None = None, debug: bool = False) -> int:
+    """Run torchrun (the training's, or with `failure` the doctor's), passing stop signals on; map its end
+    to 0, 75 (stopped after a checkpoint, or before training began: requeue) or 1 (one line)."""
+    launch_id = uuid.uuid4().hex
     budget = int(opts["stop_timeout"])
-    env = worker_env(os.environ, cfg.run_dir, debug)
+    env = worker_env(os.environ, cfg.run_dir, debug) | {LAUNCH_ID_VAR: launch_id}
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and "PET_SIGNALS_TO_HANDLE" not in env:
+        # nohup: torchrun must not turn a hang-up into a stop either (its --signals-to-handle, TERM, INT, HUP
+        # and QUIT by default); left ignored, SIGHUP stays ignored in torchrun and in the workers it starts.
+        env["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGQUIT"
     if debug:
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
+    proc = signals.run(cmd, env)
+    stop = signals.received
     tail: list[str] = []
     usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
@@ -508,9 +540,9 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
                 held.append(line)
                 if line.startswith(" "):
                     continue
-                # torchrun's own SignalException is how it acknowledges a stop; a rendezvous error is said
-                # in the launcher's last line: neither is news. Anything else is.
-                quiet = ("SignalException" in line and (stop or usage)) or QUIET_TRACEBACK.search(line)
+                # torchrun's own SignalException is how it acknowledges a stop (sent to the launcher, or to
+                # torchrun itself); a rendezvous error is said in the launcher's last line: neither is news.
+                quiet = "SignalException" in line or QUIET_TRACEBACK.search(line)
                 lines, held, chained = ([] if quiet else held), [], bool(quiet)
             elif chained and (not line.strip() or line.startswith(("The above exception", "During handling"))):
                 continue
@@ -522,24 +554,15 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
 
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
-
-    def forward(signum, frame):
-        workers.update(_children(proc.pid))  # known now, in case torchrun ends before they do
-        if not stop:  # once: torchrun passes it on to the workers, which save and stop
-            proc.send_signal(signal.SIGTERM)
-        stop.append((signum, time.time()))
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, forward)
     while (rc := _wait(proc, 0.5)) is None:
-        if not usage and not stop and (error := _usage_error_since(cfg.run_dir, started)):
-            usage.append(error)
-            proc.send_signal(signal.SIGTERM)
+        if not usage and not stop and (marker := _marker(cfg.run_dir, "USAGE_ERROR", launch_id)):
+            usage.append(marker["error"])
+            proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries
     if stop:
         # torchrun ends early when a third SIGTERM reaches it (SLURM signals every process of the step,
         # and so does this launcher): the workers are still saving. Leaving now would let the scheduler
         # kill them; wait for them within the stop budget, as torchrun would have.
-        left = _wait_for(workers, stop[0][1] + budget + 5)
+        left = _wait_for(signals.workers, stop[0][1] + budget + 5)
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -549,19 +572,25 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, failur
     if usage:
         print(f"error: {usage[0]} (found by the workers; not retried)", file=sys.stderr)
         return EXIT_USAGE
-    since = stop[0][1] if stop else started
-    if stop and _finished_since(cfg.run_dir, since):
+    if failure is not None and stop:
+        raise _Stopped(signals.name)  # the doctor trains nothing
+    if stop and _marker(cfg.run_dir, "summary.json", launch_id):
         print("launch: the run finished before the stop took effect (exit 0)", file=sys.stderr)
         return 0
-    name = signal.Signals(stop[0][0]).name if stop else "a stop signal"
-    if _stopped_since(cfg.run_dir, since):
-        print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})",
+    if stopped := _marker(cfg.run_dir, "STOPPED", launch_id):
+        name = signals.name if stop else stopped.get("signal") or "a peer rank signal"
+        print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue "
+              f"(exit {EXIT_REQUEUE})", file=sys.stderr)
+        return EXIT_REQUEUE
+    if stop and not _marker(cfg.run_dir, "STARTED", launch_id):
+        print(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
+              f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})",
               file=sys.stderr)
         return EXIT_REQUEUE
     if stop:
-        print(f"error: stopped on {name}, but no checkpoint was written within the stop budget (--stop-timeout="
-              f"{budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step plus one "
-              f"checkpoint save plus a margin), and the scheduler's grace period above it", file=sys.stderr)
+        print(f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
+              f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
+              f"plus one checkpoint save plus a margin), and the scheduler's grace period above it", file=sys.stderr)
         return 1
     print(failure or f"error: {explain(''.join(tail), opts)}", file=sys.stderr)
     return 1

@@ -21,8 +21,6 @@ from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
 
-EXIT_USAGE = 2
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -230,7 +228,8 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
 
 
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
-    """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code."""
+    """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code;
+    a usage error (ConfigError: data, devices, checkpoints, tracker) is raised to the entry point."""
     configure_torch(cfg)
     parts = ckpt = meter = None
     exit_code = 1  # what the tracker is told if this ends in an exception
@@ -253,6 +252,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
                  f"run dir {cfg.run_dir}")
         log.start_tracker(cfg, ckpt, resumed)
         meter = StepMeter.build(cfg, parts, denv.rank)
+        ckpt.mark_started(parts.step)  # for the launcher: a stop from here on ends with a checkpoint
         summary = fit(parts, ckpt, meter)
         ckpt.wait()
         if summary is None:
@@ -263,10 +263,6 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
                  f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_s']:.1f} s")
         log.finish(summary)  # summary.json, the tracker's summary, report.png and report.txt
         return 0
-    except ConfigError as e:
-        prefix = f"[rank {denv.rank}] " if denv.world_size > 1 else ""
-        print(f"{prefix}error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except (RuntimeError, torch.distributed.DistError) as e:
         reason = distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None:

@@ -1,0 +1,171 @@
+"""The launcher tells the truth with its exit code whatever signal comes, whenever it comes, and a usage
+error found by the workers is said once, never retried.
+
+Real launcher, torchrun and gloo workers, real signals (to the whole process group as a terminal sends
+them, to torchrun itself), real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import PY, ROOT, clean_env, copy_run, latest_state, summary
+from tests.procs import finish, launch, logged_steps, torchrun, wait_for, workers
+
+RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
+
+
+def _stopped_cleanly(run_dir, rc: int, err: str) -> dict:
+    """Exit 75 after a checkpoint of the step the STOPPED marker names, without a traceback."""
+    assert rc == 75, err[-3000:]
+    marker = json.loads((run_dir / "STOPPED").read_text())
+    assert marker["step"] == latest_state(run_dir)["step"] >= 2, marker
+    assert "Traceback" not in err, err[-3000:]
+    return marker
+
+
+# ---------------------------------------------------------------- hang-ups and the signals torchrun passes on
+
+def test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75(tmp_path):
+    """A dropped SSH session: SIGHUP to the launcher's process group (the launcher and torchrun; torchrun
+    passes SIGHUP on to the workers as it came, besides the launcher's SIGTERM)."""
+    proc = launch(tmp_path, *RUNNING)
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
+    os.killpg(proc.pid, signal.SIGHUP)
+    rc, out, err = finish(proc)
+    _stopped_cleanly(tmp_path, rc, err)
+    assert err.strip().splitlines()[-1].startswith("launch: stopped on SIGHUP; the workers checkpointed")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_or_sigquit_to_torchrun_itself_is_a_stop_for_the_workers(tmp_path, sig):
+    """torchrun handles TERM, INT, HUP and QUIT by sending the same signal to the workers: each is a stop."""
+    proc = launch(tmp_path, *RUNNING)
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
+    os.kill(torchrun(proc.pid), sig)
+    rc, out, err = finish(proc)
+    assert _stopped_cleanly(tmp_path, rc, err)["signal"] == sig.name
+
+
+def test_a_run_started_under_nohup_keeps_ignoring_hang_ups(tmp_path):
+    proc = launch(tmp_path, "train.steps=30", prefix=("nohup",))
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
+    ranks = workers(proc.pid)
+    for _ in range(3):
+        os.killpg(proc.pid, signal.SIGHUP)  # the launcher and torchrun
+        for pid in ranks.values():  # and the workers, as a scheduler signalling every process would
+            os.kill(pid, signal.SIGHUP)
+        time.sleep(0.5)
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    assert summary(tmp_path)["steps"] == 30 and not (tmp_path / "STOPPED").exists()
+
+
+# ---------------------------------------------------------------- a stop before the first step
+
+def test_a_stop_during_worker_start_up_is_exit_75_nothing_lost(tmp_path, finished_run):
+    """The workers are still importing torch and resuming: nothing was trained since the last checkpoint,
+    so the launcher asks for the relaunch (75), not for a larger stop budget (1)."""
+    copy_run(finished_run, tmp_path)
+    before = latest_state(tmp_path)["step"]
+    proc = launch(tmp_path, "train.steps=400", launcher=("--nproc-per-node=2",))
+    wait_for(lambda: len(workers(proc.pid)) == 2, 60, "the workers")
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    assert "before the workers began training" in err.strip().splitlines()[-1], err[-3000:]
+    assert latest_state(tmp_path)["step"] == before  # nothing new, nothing lost
+
+
+def test_a_stop_during_the_doctor_is_exit_75_and_training_never_starts(tmp_path):
+    env = clean_env(LAUNCH_DOCTOR="1")
+    proc = launch(tmp_path, "train.steps=400", env=env)
+    wait_for(lambda: workers(proc.pid), 60, "the doctor's workers")
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    assert "before training started" in err.strip().splitlines()[-1], err[-3000:]
+    assert " -m train " not in err.replace("train.doctor", "")  # the training's torchrun never started
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_marker_of_an_earlier_launch_is_never_taken_for_this_one(tmp_path, finished_run):
+    """A STOPPED marker of another launch, dated in the future (another node's clock ahead of this one's):
+    a crash of this launch is a crash (exit 1), not a stop to requeue."""
+    copy_run(finished_run, tmp_path)
+    stale = {"step": 6, "signal": "SIGTERM", "time": time.time() + 3600, "launch_id": "an-earlier-launch"}
+    proc = launch(tmp_path, "train.steps=400", "checkpoint.every=0", launcher=("--nproc-per-node=2",
+                                                                                "--max-restarts=0"))
+    wait_for(lambda: len(logged_steps(tmp_path)) > 6, 120, "a step of this launch")
+    (tmp_path / "STOPPED").write_text(json.dumps(stale))
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 on "), err[-3000:]
+
+
+# ---------------------------------------------------------------- usage errors found by the workers
+
+def _usage_cases(tmp_path, finished_run) -> dict:
+    return {
+        "data path": (["data.name=cifar10", f"data.path={tmp_path / 'nowhere'}"], {}, "does not exist"),
+        "CUDA unusable": ([], {"CUDA_VISIBLE_DEVICES": "0"}, "GPUs were allocated (CUDA_VISIBLE_DEVICES=0)"),
+        "another model": (["model.name=resnet34", f"resume={finished_run / 'checkpoints'}"], {},
+                          "does not match model.name=resnet34"),
+        "W&B without a key": (["log.wandb.mode=online"], {"HOME": str(tmp_path), "WANDB_API_KEY": ""}, "API key"),
+        "resume=never over a run": (["resume=never"], {}, "already holds a run"),
+        "no loadable checkpoint": ([f"resume={tmp_path / 'broken'}"], {}, "no loadable checkpoint"),
+    }
+
+
+@pytest.mark.parametrize("case", ["data path", "CUDA unusable", "another model", "W&B without a key",
+                                  "resume=never over a run", "no loadable checkpoint"])
+def test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried(tmp_path, finished_run, case):
+    overrides, extra_env, says = _usage_cases(tmp_path, finished_run)[case]
+    run_dir = tmp_path / "run"
+    if case == "resume=never over a run":
+        copy_run(finished_run, run_dir)
+    if case == "no loadable checkpoint":  # a checkpoint whose bytes fail their CRC
+        copy_run(finished_run / "checkpoints", tmp_path / "broken")
+        for pt in (tmp_path / "broken").glob("step_*.pt"):
+            pt.write_bytes(b"\0" * pt.stat().st_size)
+    env = {k: v for k, v in clean_env(**extra_env).items() if v != ""}
+    proc = launch(run_dir, *overrides, launcher=("--nproc-per-node=2", "--max-restarts=3"), env=env)
+    rc, out, err = finish(proc, timeout=180)
+    last = err.strip().splitlines()[-1]
+    assert rc == 2, err[-3000:]
+    assert last.startswith("error: ") and says in last and last.endswith("(found by the workers; not retried)"), last
+    assert err.count("[rank 0] error: ") == 1, err[-3000:]  # the workers ran once
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_killed_loader_worker_is_named_whatever_wording_torch_uses(tmp_path):
+    """torch says `DataLoader worker (pid(s) N) exited unexpectedly` when the worker dies while the main
+    process waits for its batch; the signal is only in the exception's cause."""
+    script = tmp_path / "kill_loader.py"
+    script.write_text(
+        "import os, signal, threading, time, torch\n"
+        "from torch.utils.data import DataLoader, Dataset\n"
+        "from train.distributed import describe_failure\n"
+        "class Slow(Dataset):\n"
+        "    def __len__(self): return 100\n"
+        "    def __getitem__(self, i): time.sleep(0.3 if i else 0); return torch.zeros(1)\n"
+        "it = iter(DataLoader(Slow(), batch_size=1, num_workers=1))\n"
+        "next(it)\n"
+        "worker = next(iter(it._workers)).pid\n"
+        "threading.Timer(0.1, os.kill, (worker, signal.SIGKILL)).start()\n"
+        "try:\n"
+        "    [next(it) for _ in range(99)]\n"
+        "except RuntimeError as e:\n"
+        "    print('TOP:', e)\n"
+        "    print('LINE:', describe_failure(e, 600))\n")
+    proc = subprocess.run([PY, str(script)], cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=120)
+    assert "exited unexpectedly" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "LINE: a DataLoader worker was killed (Killed; often the out-of-memory killer)" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
