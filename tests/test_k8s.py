@@ -191,6 +191,9 @@ def test_configmap_config_is_valid_at_every_allowed_size(tmp_path):
     policy = job["spec"]["elasticPolicy"]
     for nodes in range(policy["minReplicas"], policy["maxReplicas"] + 1):
         config.validate(cfg, nodes * int(job["spec"]["nprocPerNode"]))
+    # A membership change (a pod joins or leaves) gives the workers torch's fixed 30 s to save, whatever
+    # STOP_TIMEOUT says: the periodic checkpoints bound what a save that does not fit loses.
+    assert 0 < cfg.checkpoint.every <= cfg.train.steps // 2, cfg.checkpoint
 
 
 # ------------------------------------------------------------------------- the operator, emulated

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY, ROOT, clean_env, copy_run, latest_state, summary
-from tests.procs import finish, launch, logged_steps, torchrun, wait_for, workers
+from tests.conftest import PY, ROOT, TINY, clean_env, copy_run, latest_state, summary
+from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
 
@@ -169,3 +171,33 @@ def test_a_killed_loader_worker_is_named_whatever_wording_torch_uses(tmp_path):
     assert "exited unexpectedly" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "LINE: a DataLoader worker was killed (Killed; often the out-of-memory killer)" in proc.stdout, \
         proc.stdout + proc.stderr[-3000:]
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether a process has a handler installed for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_the_launcher_as_pid_1_stops_on_a_sigterm_before_torchrun_starts(tmp_path):
+    """As a container's PID 1 (docker run, a pod), a signal whose action is the default is dropped by the
+    kernel: the launcher's handler must be there from its first line, not only once torchrun runs."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a PID namespace)")
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PY, "-m", "train.launch",
+           "--nproc-per-node=2", "--", "--config", "configs/default.yaml", *TINY, f"run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    launcher = wait_for(lambda: next(iter(children(proc.pid)), None), 30, "the launcher")
+    deadline = time.time() + 5  # the launcher imports torch for seconds before it starts torchrun
+    while time.time() < deadline and not (_catches(launcher, signal.SIGTERM) and not children(launcher)):
+        time.sleep(0.01)
+    os.kill(launcher, signal.SIGTERM)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 75, err[-3000:]
+    assert "before training started" in err.strip().splitlines()[-1], err[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
