@@ -416,3 +416,23 @@ def test_wandb_continues_one_run_across_a_torchrun_restart_and_a_requeue(tmp_pat
         for step, loss in piece:
             assert first.setdefault(step, loss) == loss, f"step {step} logged again with another loss"
     assert sorted(first) == list(range(1, 31))
+
+
+def test_w_and_b_dying_mid_run_does_not_stop_training(tmp_path):
+    """W&B's service process (wandb-core, rank 0's child) killed mid-run, as an OOM kill or a crash would:
+    training goes on to its end and metrics.jsonl holds every step."""
+    from tests.procs import descendants, logged_steps, wait_for
+
+    proc = subprocess.Popen(train_cmd(tmp_path, *OBSERVED, "log.report=false", "train.steps=12"), cwd=ROOT,
+                            env=obs_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 3, 120, "step 3")
+    service = [p for p in descendants(proc.pid) if b"wandb-core" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert service, "no wandb-core process under the run"
+    for pid in service:
+        os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert logged_steps(tmp_path) == list(range(1, 13)) and summary(tmp_path)["steps"] == 12
+    assert "Traceback" not in err, err[-3000:]
+    warnings = [line for line in (out + err).splitlines() if "WARNING wandb" in line]
+    assert len(warnings) == 1, warnings  # one warning, then no more W&B in this run
