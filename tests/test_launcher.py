@@ -201,3 +201,19 @@ def test_the_launcher_as_pid_1_stops_on_a_sigterm_before_torchrun_starts(tmp_pat
     assert rc == 75, err[-3000:]
     assert "before training started" in err.strip().splitlines()[-1], err[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_to_make_train_local_s_whole_foreground_group_checkpoints(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to make, the launcher and torchrun at once (the workers, in sessions of
+    their own, hear of it from torchrun and the launcher)."""
+    args = " ".join([*TINY, f"run.dir={tmp_path}", "train.steps=400"])
+    proc = subprocess.Popen(["make", "--no-print-directory", "train-local", "NPROC=2", f"ARGS={args}"], cwd=ROOT,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 180, "step 2")
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert "launch: stopped on SIGINT; the workers checkpointed: relaunch to continue (exit 75)" in err, err[-3000:]
+    marker = json.loads((tmp_path / "STOPPED").read_text())
+    assert marker["step"] == latest_state(tmp_path)["step"] >= 2
+    assert "Traceback" not in err, err[-3000:]
