@@ -247,6 +247,15 @@ def test_sbatch_outside_an_allocation_is_a_clear_error():
     assert len(lines) == 1 and "not inside a SLURM allocation" in lines[0] and "sbatch" in lines[0], proc.stderr
 
 
+def test_the_warning_signal_comes_early_enough_for_the_stop_budget():
+    """SLURM's warning before the time limit (--signal=B:USR1@LEAD) must leave the workers the whole stop
+    budget, and a margin for the signal's path (script -> scancel -> every process) and the exit."""
+    text = SBATCH.read_text()
+    lead = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M)[1])
+    budget = int(re.search(r"^export STOP_TIMEOUT=\$\{STOP_TIMEOUT:-(\d+)\}$", text, re.M)[1])
+    assert budget + 20 <= lead, (budget, lead)
+
+
 def test_submit_requires_nodes_and_a_config():
     proc = subprocess.run([PY, "-m", "train.submit", "--", "--config", "configs/default.yaml"], cwd=ROOT,
                           env=clean_env(), capture_output=True, text=True, timeout=60)
