@@ -51,3 +51,16 @@ def test_allocated_gpus_that_cuda_cannot_use_fail_fast_in_one_line(tmp_path, all
 def test_no_allocation_trains_on_cpu(tmp_path, nvidia):
     run_train(tmp_path, "train.steps=2", env=clean_env(CUDA_VISIBLE_DEVICES="", NVIDIA_VISIBLE_DEVICES=nvidia,
                                                        SLURM_GPUS_ON_NODE="0"))
+
+
+def test_two_ranks_on_one_gpu_are_named_in_one_usage_error():
+    """More tasks than GPUs without a GPU bound to each task: NCCL's communicator refuses it at the
+    process group's creation; the ranks sharing the GPU are the usage error (exit 2), not "a peer died".
+    The error's text as torch raises it (DistBackendError, NCCL's last error appended); no GPU here."""
+    text = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
+            "NCCL_DEBUG=WARN for details), NCCL version 2.27.5\nncclInvalidUsage: This usually reflects invalid "
+            "usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 3 and rank 1 both on CUDA device 1d000")
+    error = distributed.shared_gpu(text)
+    assert isinstance(error, ConfigError)
+    assert str(error).startswith(f"ranks 3 and 1 share one GPU (CUDA device 1d000) on {distributed.hostname()}: ")
+    assert distributed.shared_gpu("NCCL error in: ... remote process exited or there was a network error") is None

@@ -182,8 +182,22 @@ def setup(denv: DistEnv, backend: str, timeout_s: float) -> torch.device:
             kwargs["store"] = _round_store(denv, timeout)
         else:
             kwargs["init_method"] = "env://"
-        dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size, timeout=timeout, **kwargs)
+        try:
+            dist.init_process_group(backend, rank=denv.rank, world_size=denv.world_size, timeout=timeout, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            raise (shared_gpu(str(e)) or e) from None
     return device
+
+
+def shared_gpu(nccl_error: str) -> ConfigError | None:
+    """NCCL refuses two ranks on one GPU (more tasks than GPUs, without a GPU bound to each task): the
+    usage error to report instead of the communicator's failure, or None for any other error."""
+    m = re.search(r"Duplicate GPU detected : rank (\d+) and rank (\d+) both on CUDA device (\w+)", nccl_error)
+    if m is None:
+        return None
+    return ConfigError(f"ranks {m[1]} and {m[2]} share one GPU (CUDA device {m[3]}) on {hostname()}: start at most "
+                       "one process per GPU (--nproc-per-node), or bind one GPU to each task (srun --gpus-per-task=1 "
+                       "or --gpu-bind=single:1)")
 
 
 def _round_store(denv: DistEnv, timeout: datetime.timedelta) -> dist.Store:
