@@ -435,13 +435,14 @@ def test_compose_cpu_nodes_started_last_node_first_train_to_the_end(project):
     """Node 1 first; the rendezvous host, node 0, tens of seconds later: node 1 waits for it."""
     p = project("train.steps=12")
     p("up", "-d", "cpu-node1")
-    time.sleep(30)
+    # Node 1 says it waits for the rendezvous host (then polls it every second): start node 0 only then.
+    wait_until(lambda: "waiting up to" in logs(p.container("cpu-node1")), 300, "node 1 waiting for node 0")
+    time.sleep(3)
     assert state(p.container("cpu-node1"))[0] == "running", logs(p.container("cpu-node1"))
     p("up", "-d", "cpu-node0")
     p.wait_done()
     s = summary(p.run_dir())
     assert s["world_size"] == 2 and s["steps"] == 12 and s["ranks_in_sync"], s
-    assert "waiting up to" in logs(p.container("cpu-node1"))
 
 
 def test_compose_a_killed_node_comes_back_and_the_job_finishes(project):
