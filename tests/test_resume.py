@@ -238,3 +238,22 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):
     assert "already complete at step 6" in proc.stdout
     assert ((tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
     assert json.loads(before[0])["steps"] == 6 and os.path.exists(tmp_path / "config.yaml")
+
+
+def test_a_resume_after_its_steps_evaluation_was_logged_does_not_evaluate_it_again(tmp_path):
+    """A checkpoint is saved before its step's evaluation. Killed after that evaluation was logged (or
+    stopped in the step after an asynchronous save, which ends with that save), the resumed run does not
+    evaluate and log that step again: metrics.jsonl holds each evaluation once."""
+    args = ["train.steps=6", "checkpoint.every=2", "train.eval_every=2", "data.eval_samples=16"]
+    proc = start(tmp_path, *args)
+    deadline = time.time() + 120
+    while not any("eval_loss" in m for m in (metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else [])):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.005)
+    proc.kill()  # in step 3, after step 2's checkpoint and evaluation
+    proc.wait()
+    assert latest_state(tmp_path)["step"] == 2 and [m["step"] for m in metrics(tmp_path) if "eval_loss" in m] == [2]
+    proc = run_train(tmp_path, *args)
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout, proc.stdout
+    assert [m["step"] for m in metrics(tmp_path) if "eval_loss" in m] == [2, 4, 6]
+    assert sorted(train_losses(tmp_path)) == list(range(1, 7))

@@ -296,15 +296,24 @@ class Checkpointer:
             self._write(state, parts.step)
             self._raise_pending_error()
 
-    def save_and_stop(self, parts) -> None:
-        """The last save of a stopped run: blocking (a save of this step already started is waited for),
-        then the STOPPED marker for the launcher; no rank exits before rank 0 has written both."""
-        if self.saved_step != parts.step:
+    def save_and_stop(self, parts) -> int:
+        """The last save of a stopped run, then the STOPPED marker for the launcher; no rank exits before
+        rank 0 has written both. Returns the step the run stopped at (that of its last checkpoint).
+
+        A stop ends with the last save if it is of this step or of the one before: a save in flight
+        (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
+        and a step trained since it is trained again after the resume. Otherwise this step is saved,
+        blocking. Either way a stop costs at most one step and one save (README: the stop budget)."""
+        if self.saved_step is not None and parts.step - self.saved_step <= 1:
+            step = self.saved_step
+        else:
             self.save(parts, blocking=True)
+            step = parts.step
         if self.rank == 0:
             self.wait()
-            self._mark_stopped(parts.step)
+            self._mark_stopped(step)
         dist.barrier()
+        return step
 
     def _write(self, state: dict, step: int) -> None:
         try:

@@ -232,6 +232,18 @@ class RunLog:
             torch.distributed.broadcast_object_list(verdict, src=0)
         return verdict[0]
 
+    def evaluated(self, step: int) -> bool:
+        """Whether metrics.jsonl already holds the evaluation of `step`, as rank 0 reads it; every rank learns
+        the verdict. A checkpoint is saved before its step's evaluation: resumed after that evaluation was
+        logged (a crash in the next step, or a stop there that ends with this save), it is not run again."""
+        verdict = [False]
+        if self.is_main and self.metrics_path.exists():
+            records = (json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip())
+            verdict = [any(r.get("step") == step and "eval_loss" in r for r in records)]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
     def run_info(self, cfg: Config, denv: DistEnv, device: torch.device) -> None:
         """Rank 0 records what ran: the resolved config, library versions, git commit, hardware."""
         if not self.is_main:
