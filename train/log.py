@@ -177,9 +177,9 @@ class RunLog:
         same W&B run continues), else a new one; the id goes into every later checkpoint."""
         if not self.is_main or cfg.log.wandb.mode == "disabled":
             return
-        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg) else None
+        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg, ckpt.resumed_from) else None
         if resumed and ckpt.tracker_id and run_id is None:
-            self.info(f"resumed from another run's checkpoint ({cfg.resume}): a new W&B run, not "
+            self.info(f"resumed from another run's checkpoint ({ckpt.resumed_from}): a new W&B run, not "
                       f"{ckpt.tracker_id}")
         run_id = run_id or new_run_id()
         self.tracker = Tracker.start(cfg, run_id, self)
@@ -320,12 +320,13 @@ def new_run_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-def _own_checkpoint(cfg: Config) -> bool:
-    """Whether resume reads this run directory's checkpoints (and not another run's)."""
-    if cfg.resume == "auto":
-        return True
+def _own_checkpoint(cfg: Config, path: Path | None) -> bool:
+    """Whether the checkpoint resumed from is this run directory's (and not another run's): also the case
+    of a resume=PATH run relaunched, which continues from its own checkpoints."""
+    if path is None:
+        return False
     try:
-        Path(cfg.resume).resolve().relative_to(cfg.run_dir.resolve())
+        Path(path).resolve().relative_to(cfg.run_dir.resolve())
         return True
     except ValueError:
         return False
