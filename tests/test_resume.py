@@ -238,3 +238,100 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):
     assert "already complete at step 6" in proc.stdout
     assert ((tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
     assert json.loads(before[0])["steps"] == 6 and os.path.exists(tmp_path / "config.yaml")
+
+
+def test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path(tmp_path, finished_run):
+    """resume=PATH is where a new run starts: relaunched with the same command line (a SLURM requeue, a
+    torchrun or pod restart), a branch continues from the checkpoints it wrote itself, as resume=auto would
+    (past a corrupt newest one to an older one of its own), keeps its metrics and its W&B run, and once
+    finished it is already complete."""
+    branch, base = tmp_path / "branch", finished_run / "checkpoints" / "step_00000004.pt"
+    ckpts = branch / "checkpoints"
+    args = [f"resume={base}", "train.steps=12", "checkpoint.every=2", "log.wandb.mode=offline"]
+    proc = start(branch, *args)
+    wait_for_step(branch, 9, proc)
+    for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):  # stopped at the next step boundary
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == checkpoint.EXIT_REQUEUE, out
+    stopped = latest_state(branch)["step"]
+    assert 8 <= stopped < 12 and stopped % 2 == 0, out  # its own checkpoints: stopped and stopped - 2
+    run_id = latest_state(branch)["tracker"]["run_id"]
+    (ckpts / f"step_{stopped:08d}.pt").write_bytes(b"torn")  # the newest one of its own is corrupt
+    before = metrics(branch)
+
+    proc = run_train(branch, *args)  # the same command line again
+    own = ckpts / f"step_{stopped - 2:08d}.pt"
+    assert f"resumed from {own} at step {stopped - 2}" in proc.stdout, proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if f"resume={base}" in line]
+    assert len(lines) == 1 and "checkpoints of its own" in lines[0], proc.stdout
+    # metrics.jsonl is truncated only to the step resumed from: the lines before it are the ones first written
+    after = metrics(branch)
+    assert [m for m in after if m["step"] <= stopped - 2] == [m for m in before if m["step"] <= stopped - 2]
+    assert sorted(train_losses(branch)) == list(range(5, 13))
+    assert summary(branch)["steps"] == 12 and summary(branch)["wandb_run_id"] == run_id  # the same W&B run
+
+    done = (branch / "summary.json").read_text(), (branch / "metrics.jsonl").read_text()
+    proc = run_train(branch, *args)
+    assert "already complete at step 12" in proc.stdout, proc.stdout
+    assert ((branch / "summary.json").read_text(), (branch / "metrics.jsonl").read_text()) == done
+
+
+@pytest.mark.parametrize("how", ["resume=PATH", "corrupt newest"])
+def test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves(tmp_path, how, finished_run):
+    """Rolled back to step 2 (resume=PATH to an older checkpoint of the same run, or resume=auto falling
+    back past corrupt newer ones), the run's checkpoints after step 2 are moved to checkpoints/abandoned/,
+    not deleted, and retention (keep, keep_every) applies to the new saves alone: none is deleted as it is
+    written because abandoned ones sort above it."""
+    copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
+    ckpts = tmp_path / "checkpoints"
+    args = ["checkpoint.every=1", "checkpoint.keep=2", "checkpoint.keep_every=4"]
+    if how == "resume=PATH":
+        args.append(f"resume={ckpts / 'step_00000002.pt'}")
+    else:
+        for step in (4, 6):
+            path = ckpts / f"step_{step:08d}.pt"
+            path.write_bytes(path.read_bytes()[:1000])
+    newer = {p.name: p.read_bytes() for p in ckpts.iterdir() if p.name.startswith(("step_00000004", "step_00000006"))}
+    proc = run_train(tmp_path, *args)
+    assert f"resumed from {ckpts / 'step_00000002.pt'} at step 2" in proc.stdout, proc.stdout
+    # the new saves, kept per keep=2 and keep_every=4; `latest` names the last of them
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_file()) == [
+        "latest", "step_00000004.json", "step_00000004.pt", "step_00000005.json", "step_00000005.pt",
+        "step_00000006.json", "step_00000006.pt"]
+    assert (ckpts / "latest").read_text().strip() == "step_00000006.pt" and latest_state(tmp_path)["step"] == 6
+    aside = [line for line in proc.stdout.splitlines() if "abandoned" in line]
+    assert len(aside) == 1 and "step_00000004.pt" in aside[0] and "step_00000006.pt" in aside[0], proc.stdout
+    # the abandoned ones, byte for byte, in one folder under checkpoints/abandoned/
+    (folder,) = (ckpts / "abandoned").iterdir()
+    assert folder.name in aside[0]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == newer
+    assert sorted(train_losses(tmp_path)) == list(range(1, 7)) and summary(tmp_path)["steps"] == 6
+    if how == "resume=PATH":  # relaunched with the same command line, the rolled-back run is already complete
+        def files():
+            paths = [*ckpts.rglob("*"), tmp_path / "metrics.jsonl", tmp_path / "summary.json"]
+            return {p: p.read_bytes() for p in paths if p.is_file()}
+
+        before = files()
+        proc = run_train(tmp_path, *args)
+        assert "already complete at step 6" in proc.stdout, proc.stdout
+        assert files() == before
+
+
+def test_a_resume_after_its_steps_evaluation_was_logged_does_not_evaluate_it_again(tmp_path):
+    """A checkpoint is saved before its step's evaluation. Killed after that evaluation was logged (or
+    stopped in the step after an asynchronous save, which ends with that save), the resumed run does not
+    evaluate and log that step again: metrics.jsonl holds each evaluation once."""
+    args = ["train.steps=6", "checkpoint.every=2", "train.eval_every=2", "data.eval_samples=16"]
+    proc = start(tmp_path, *args)
+    deadline = time.time() + 120
+    while not any("eval_loss" in m for m in (metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else [])):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.005)
+    proc.kill()  # in step 3, after step 2's checkpoint and evaluation
+    proc.wait()
+    assert latest_state(tmp_path)["step"] == 2 and [m["step"] for m in metrics(tmp_path) if "eval_loss" in m] == [2]
+    proc = run_train(tmp_path, *args)
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout, proc.stdout
+    assert [m["step"] for m in metrics(tmp_path) if "eval_loss" in m] == [2, 4, 6]
+    assert sorted(train_losses(tmp_path)) == list(range(1, 7))

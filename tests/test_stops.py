@@ -4,6 +4,7 @@ Real launcher, torchrun and gloo workers, real signals (also SIGSTOP to make a s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -317,3 +318,66 @@ def test_evaluation_uses_the_saved_batchnorm_statistics_on_every_rank(tmp_path, 
     assert "done: 6 steps" in proc.stdout and one["world_size"] == 1
     assert one["eval_accuracy"] == two["eval_accuracy"]
     assert one["eval_loss"] == pytest.approx(two["eval_loss"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- a stop during a save
+
+SAVE_S = 5  # how long each save takes here: rank 0 is frozen while a checkpoint's temporary file is open
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_during_a_periodic_save_ends_with_that_save_within_one_step_and_one_save(tmp_path, mode):
+    """A stop that comes while a periodic save (blocking, or in the background with checkpoint.async) is
+    being written ends with that save: no second save, no step after it (an async save's next step is
+    trained again after the resume), so the stop budget sized as one step plus one save holds. Every save
+    takes SAVE_S seconds (rank 0 frozen with SIGSTOP while a checkpoint's temporary file exists), as on a
+    slow shared file system; a TINY step takes well under a second."""
+    budget = SAVE_S + 4  # one save, one step and a margin
+    ckpts = tmp_path / "checkpoints"
+    proc = launch(tmp_path, "train.steps=500", "checkpoint.every=3", f"checkpoint.async={mode == 'async'}",
+                  launcher=("--nproc-per-node=2", f"--stop-timeout={budget}"))
+
+    def saving() -> set[str]:
+        return {p.name for p in ckpts.glob(".step_*.pt.tmp*")} if ckpts.is_dir() else set()
+
+    try:
+        while True:  # freeze rank 0 inside a save (the file may be renamed between the look and the freeze)
+            wait_for(saving, 120, "a save")
+            rank0 = workers(proc.pid)[0]
+            os.kill(rank0, signal.SIGSTOP)
+            if names := saving():
+                break
+            os.kill(rank0, signal.SIGCONT)
+        step = int(re.search(r"step_(\d+)", names.pop()).group(1))
+        t = time.time()
+        proc.send_signal(signal.SIGTERM)
+        thaw, was_saving = t + SAVE_S, True
+        while proc.poll() is None and time.time() < t + 60:  # every save after this one is as slow
+            now, busy = time.time(), bool(saving())
+            if thaw and now >= thaw:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank0, signal.SIGCONT)
+                thaw = None
+            elif thaw is None and busy and not was_saving:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank0, signal.SIGSTOP)
+                thaw = now + SAVE_S
+            was_saving = busy
+            time.sleep(0.005)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank0, signal.SIGCONT)
+        rc, out, err = finish(proc)
+        took = time.time() - t
+    finally:
+        if proc.poll() is None:
+            _kill_family(proc.pid)
+    assert rc == 75 and took < budget + 5, f"exit {rc} after {took:.1f} s\n{err[-3000:]}"
+    assert json.loads((tmp_path / "STOPPED").read_text())["step"] == step == latest_state(tmp_path)["step"]
+    assert f"stopped on a peer rank signal at step {step}, checkpoint saved" in out or \
+        f"stopped on SIGTERM at step {step}, checkpoint saved" in out, out[-3000:]
+    if mode == "sync":  # no step after the save (an async save lets training go on while it is written)
+        assert logged_steps(tmp_path)[-1] == step, logged_steps(tmp_path)
+    log0 = (tmp_path / "logs" / "rank0.log").read_text()
+    saves = re.findall(r"INFO saved \S+step_(\d+)\.pt", log0)
+    assert saves == [f"{s:08d}" for s in range(3, step + 1, 3)], saves  # each due step once, none for the stop
+    assert sorted(p.name for p in ckpts.glob("step_*.pt"))[-1] == f"step_{step:08d}.pt"

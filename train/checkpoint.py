@@ -4,6 +4,7 @@ Layout, in <run_dir>/checkpoints/:
     step_00000100.pt     torch.save of a dict of tensors and plain types (torch.load(weights_only=True))
     step_00000100.json   its size and CRC-32, written after the .pt is in place
     latest               the name of the latest complete checkpoint
+    abandoned/<time>-resumed-at-step-<N>/   checkpoints after step N, set aside by a resume from step N
 A write goes to a temporary file in the same directory, is fsynced and renamed into place, then the
 directory is fsynced; only then does `latest` move. A process killed at any point leaves the previous
 checkpoint intact, and a checkpoint without its .json, or whose bytes fail the CRC, never counts.
@@ -101,11 +102,12 @@ def _write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_checkpoint(state: dict, directory: Path, step: int) -> Path:
-    """Write one complete checkpoint and move `latest` to it (the caller is the one writing rank)."""
+def write_checkpoint(state: dict, directory: Path, step: int, extra: dict | None = None) -> Path:
+    """Write one complete checkpoint and move `latest` to it (the caller is the one writing rank).
+    `extra` goes into its .json."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
-    meta = {}
+    meta = dict(extra or {})
 
     def write_pt(f):
         with _CRCWriter(f) as w:
@@ -159,6 +161,21 @@ def complete_checkpoints(directory: Path) -> list[Path]:
         if NAME.match(name):
             found = [p for p in found if p.name <= name]
     return found
+
+
+def _meta(path: Path) -> dict:
+    try:
+        return json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------- state
@@ -232,6 +249,10 @@ class Checkpointer:
         self.stop_signal: str | None = None  # the signal this rank received, if any
         self.stopping = False  # all ranks agreed to stop: the next save is the last
         self.saved_step: int | None = None  # the step of the last save started in this process
+        self.resumed_from: Path | None = None  # the checkpoint this process resumed from
+        # With resume=PATH into this run's own directory (a rollback): PATH, relative to the run directory. It
+        # goes into the .json of every save, so that a relaunch knows the rollback is done (find_resume).
+        self.rollback: str | None = None
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
@@ -313,20 +334,29 @@ class Checkpointer:
             self._write(state, parts.step)
             self._raise_pending_error()
 
-    def save_and_stop(self, parts) -> None:
-        """The last save of a stopped run: blocking (a save of this step already started is waited for),
-        then the STOPPED marker for the launcher; no rank exits before rank 0 has written both."""
-        if self.saved_step != parts.step:
+    def save_and_stop(self, parts) -> int:
+        """The last save of a stopped run, then the STOPPED marker for the launcher; no rank exits before
+        rank 0 has written both. Returns the step the run stopped at (that of its last checkpoint).
+
+        A stop ends with the last save if it is of this step or of the one before: a save in flight
+        (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
+        and a step trained since it is trained again after the resume. Otherwise this step is saved,
+        blocking. Either way a stop costs at most one step and one save (README: the stop budget)."""
+        if self.saved_step is not None and parts.step - self.saved_step <= 1:
+            step = self.saved_step
+        else:
             self.save(parts, blocking=True)
+            step = parts.step
         if self.rank == 0:
             self.wait()
-            self._mark_stopped(parts.step)
+            self._mark_stopped(step)
         dist.barrier()
+        return step
 
     def _write(self, state: dict, step: int) -> None:
         try:
             t = time.perf_counter()
-            path = write_checkpoint(state, self.dir, step)
+            path = write_checkpoint(state, self.dir, step, {"rollback": self.rollback} if self.rollback else None)
             self._retain()
             self.log.info(f"saved {path} in {time.perf_counter() - t:.2f} s")
         except BaseException as e:  # reported by the training thread at the next save or at exit
@@ -356,19 +386,45 @@ class Checkpointer:
 
     # ---- resuming
     def find_resume(self) -> list[Path]:
-        """Candidates to resume from, best first, per cfg.resume."""
+        """Candidates to resume from, best first, per cfg.resume (rank 0).
+
+        resume=PATH is where a new run starts. Once this run directory holds complete checkpoints of its
+        own, the same command line relaunched (a requeue, a torchrun or pod restart) continues from them as
+        resume=auto does, PATH last. A PATH inside this run directory rolls the run back to it, once: the
+        saves after the rollback carry PATH in their .json, and a relaunch continues from those."""
         r = self.cfg.resume
         if r == "never":
             return []
+        own = complete_checkpoints(self.dir)
         if r == "auto":
-            return complete_checkpoints(self.dir)
+            return own
         p = Path(r)
+        if _inside(p, self.cfg.run_dir) and p.resolve() not in (self.cfg.run_dir.resolve(), self.dir.resolve()):
+            self.rollback = str(p.resolve().relative_to(self.cfg.run_dir.resolve()))
+        try:
+            targets = self._resume_targets(p)
+        except ConfigError:
+            if not own:
+                raise
+            targets = []  # PATH is gone, but this run no longer needs it
+        if own and (self.rollback is None or any(_meta(c).get("rollback") == self.rollback for c in own)):
+            self.log.info(f"resume={r}: this run directory holds checkpoints of its own (newest {own[0].name}), "
+                          f"so this is a relaunch: continuing from them as resume=auto does, not from {r}")
+            return own + [t for t in targets if t not in own]
+        if self.rollback is not None:
+            self.log.info(f"resume={r}: rolling this run back to it (its checkpoints after it are set aside)")
+        else:
+            self.log.info(f"resume={r}: a new run from it (the run directory holds no checkpoint of its own)")
+        return targets
+
+    @staticmethod
+    def _resume_targets(p: Path) -> list[Path]:
         if p.is_file():
             return [p]
         for d in (p, p / "checkpoints"):
             if d.is_dir() and (found := complete_checkpoints(d)):
                 return found
-        raise ConfigError(f"resume: {r} is neither a checkpoint file nor a folder holding checkpoints")
+        raise ConfigError(f"resume: {p} is neither a checkpoint file nor a folder holding checkpoints")
 
     def resume(self, parts) -> bool:
         """Load the best complete checkpoint into parts; False when starting fresh."""
@@ -393,10 +449,46 @@ class Checkpointer:
                 self.log.warning(f"checkpoint {path} {why}; all ranks trying the previous one")
                 continue
             self._load(parts, state, path, time.perf_counter() - t)
+            self.resumed_from = path
+            if self.rank == 0:
+                self._set_aside_after(parts.step)
             return True
         if self.cfg.resume not in ("auto", "never"):
             raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
         return False
+
+    def _set_aside_after(self, step: int) -> None:
+        """Move this run's checkpoints after `step` (abandoned by a resume from it: a rollback, or a fall back
+        past corrupt newer ones) to abandoned/<time>-resumed-at-step-<step>/, so that they are kept but no
+        longer count: retention would otherwise delete each new save as it is written (they sort above it)
+        and `latest` could name one of them."""
+        if not self.dir.is_dir():
+            return
+        after = sorted(p for p in self.dir.iterdir() if (m := re.match(r"^step_(\d{8})\.(pt|json)$", p.name))
+                       and int(m.group(1)) > step)
+        if not after:
+            return
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-resumed-at-step-{step}"
+        for n in range(100):
+            folder = self.dir / "abandoned" / (stamp if n == 0 else f"{stamp}.{n}")
+            try:
+                folder.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+        for p in sorted(after, key=lambda p: p.suffix != ".json"):  # each .json first: then its .pt never counts
+            os.replace(p, folder / p.name)
+        latest = self.dir / "latest"
+        if latest.exists() and latest.read_text().strip() in {p.name for p in after}:
+            if kept := complete_checkpoints(self.dir):
+                _write_atomic(latest, lambda f: f.write(f"{kept[0].name}\n".encode()))
+            else:
+                latest.unlink()
+        _fsync_dir(folder)
+        _fsync_dir(self.dir)
+        names = ", ".join(p.name for p in after if p.suffix == ".pt") or ", ".join(p.name for p in after)
+        self.log.info(f"resumed at step {step}: this run's later checkpoints ({names}) are set aside in {folder}, "
+                      f"kept but no longer counted (retention, `latest`, resume=auto)")
 
     def _agreed_candidates(self) -> tuple[list[Path], str | None]:
         """Rank 0's list of checkpoints to try (or its usage error), the same on every rank: a node with a

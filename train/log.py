@@ -177,9 +177,9 @@ class RunLog:
         same W&B run continues), else a new one; the id goes into every later checkpoint."""
         if not self.is_main or cfg.log.wandb.mode == "disabled":
             return
-        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg) else None
+        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg, ckpt.resumed_from) else None
         if resumed and ckpt.tracker_id and run_id is None:
-            self.info(f"resumed from another run's checkpoint ({cfg.resume}): a new W&B run, not "
+            self.info(f"resumed from another run's checkpoint ({ckpt.resumed_from}): a new W&B run, not "
                       f"{ckpt.tracker_id}")
         run_id = run_id or new_run_id()
         self.tracker = Tracker.start(cfg, run_id, self)
@@ -228,6 +228,18 @@ class RunLog:
                 verdict = [json.loads((self.run_dir / "summary.json").read_text()).get("steps") == step]
             except (OSError, ValueError):
                 pass
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
+    def evaluated(self, step: int) -> bool:
+        """Whether metrics.jsonl already holds the evaluation of `step`, as rank 0 reads it; every rank learns
+        the verdict. A checkpoint is saved before its step's evaluation: resumed after that evaluation was
+        logged (a crash in the next step, or a stop there that ends with this save), it is not run again."""
+        verdict = [False]
+        if self.is_main and self.metrics_path.exists():
+            records = (json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip())
+            verdict = [any(r.get("step") == step and "eval_loss" in r for r in records)]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.broadcast_object_list(verdict, src=0)
         return verdict[0]
@@ -309,12 +321,13 @@ def new_run_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-def _own_checkpoint(cfg: Config) -> bool:
-    """Whether resume reads this run directory's checkpoints (and not another run's)."""
-    if cfg.resume == "auto":
-        return True
+def _own_checkpoint(cfg: Config, path: Path | None) -> bool:
+    """Whether the checkpoint resumed from is this run directory's (and not another run's): also the case
+    of a resume=PATH run relaunched, which continues from its own checkpoints."""
+    if path is None:
+        return False
     try:
-        Path(cfg.resume).resolve().relative_to(cfg.run_dir.resolve())
+        Path(path).resolve().relative_to(cfg.run_dir.resolve())
         return True
     except ValueError:
         return False

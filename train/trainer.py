@@ -135,6 +135,8 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
     start_step, t_start = parts.step, time.perf_counter()
     eval_loss = eval_acc = float("nan")
     parts.raw.train()
+    if parts.eval_pending and parts.step < cfg.train.steps and log.evaluated(parts.step):
+        parts.eval_pending = False  # resumed from a checkpoint saved before its evaluation, which was logged
     meter.start()
     while parts.step < cfg.train.steps:
         if parts.eval_pending and _evaluate_and_log(parts, ckpt, meter) is None:
@@ -158,6 +160,8 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
         if ckpt.due(step):
             with meter.paused():
                 ckpt.save(parts)
+            if ckpt.stop_agreed(parts.device):  # a stop that came during the save ends with it
+                return _stop(parts, ckpt)
         if parts.eval_pending and step < cfg.train.steps:
             if _evaluate_and_log(parts, ckpt, meter) is None:
                 return _stop(parts, ckpt)
@@ -184,9 +188,12 @@ def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> tup
 
 
 def _stop(parts: Parts, ckpt: Checkpointer) -> None:
-    ckpt.save_and_stop(parts)  # blocking; every rank waits for it
-    parts.log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {parts.step}, checkpoint saved"
-                   + (" (its evaluation runs after the resume)" if parts.eval_pending else ""))
+    step = ckpt.save_and_stop(parts)  # blocking; every rank waits for it
+    if step != parts.step:
+        note = f" (the save of step {step} was the last; step {parts.step} is trained again after the resume)"
+    else:
+        note = " (its evaluation runs after the resume)" if parts.eval_pending else ""
+    parts.log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {step}, checkpoint saved{note}")
     return None
 
 
