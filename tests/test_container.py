@@ -26,6 +26,7 @@ from tests import engine
 from tests.conftest import ROOT, TINY, latest_state, metrics, summary
 from tests.engine import docker
 from tests.multinode import dockerfile_instructions, final_stage, image_exec, required, workdir
+from tests.procs import logged_steps, wait_for
 
 # The engine's fixtures: the image built by make docker-build, a fresh volume, containers removed afterwards
 image, volume, containers = engine.image, engine.volume, engine.containers
@@ -259,19 +260,6 @@ def state(container: str) -> tuple[str, int, int]:
     return status, int(code), int(restarts)
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    return [m["step"] for m in metrics(run_dir) if "loss" in m] if (run_dir / "metrics.jsonl").exists() else []
-
-
 def logs(container: str) -> str:
     proc = docker("logs", "--tail", "60", container, check=False)
     return proc.stdout + proc.stderr
@@ -331,7 +319,7 @@ def test_docker_stop_saves_exits_75_and_docker_start_resumes_bitwise(image, volu
     docker("run", "-d", "--name", name, *RUN_FLAGS, "--stop-timeout", "90", "-e", "STOP_TIMEOUT=60",
            "-v", f"{volume}:/runs", image, "--nproc-per-node", "2", "--", "--config", "configs/default.yaml",
            *SEGMENTED, "run.dir=/runs/r")
-    wait_until(lambda: state(name)[0] != "running" or any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10")
+    wait_for(lambda: state(name)[0] != "running" or any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10")
     assert state(name)[0] == "running", logs(name)
     docker("stop", name, timeout=200)
     status, code, _ = state(name)
@@ -341,7 +329,7 @@ def test_docker_stop_saves_exits_75_and_docker_start_resumes_bitwise(image, volu
     assert "stopped on SIGTERM" in logs(name)
 
     docker("start", name)
-    wait_until(lambda: state(name)[0] == "exited", 600, "the resumed run to end")
+    wait_for(lambda: state(name)[0] == "exited", 600, "the resumed run to end")
     assert state(name)[1] == 0, logs(name)
     assert summary(run_dir)["steps"] == 40
     reference, resumed = latest_state(uninterrupted), latest_state(run_dir)
@@ -407,7 +395,7 @@ class Project:
         def done():
             return all(state(self.container(s))[:2] == ("exited", 0) for s in _profile("cpu"))
         try:
-            wait_until(done, timeout, "both nodes to finish")
+            wait_for(done, timeout, "both nodes to finish")
         except AssertionError as e:
             nodes = "\n".join(f"--- {n}: {state(self.container(n))}\n{logs(self.container(n))}"
                                for n in _profile("cpu"))
@@ -436,7 +424,7 @@ def test_compose_cpu_nodes_started_last_node_first_train_to_the_end(project):
     p = project("train.steps=12")
     p("up", "-d", "cpu-node1")
     # Node 1 says it waits for the rendezvous host (then polls it every second): start node 0 only then.
-    wait_until(lambda: "waiting up to" in logs(p.container("cpu-node1")), 300, "node 1 waiting for node 0")
+    wait_for(lambda: "waiting up to" in logs(p.container("cpu-node1")), 300, "node 1 waiting for node 0")
     time.sleep(3)
     assert state(p.container("cpu-node1"))[0] == "running", logs(p.container("cpu-node1"))
     p("up", "-d", "cpu-node0")
@@ -452,7 +440,7 @@ def test_compose_a_killed_node_comes_back_and_the_job_finishes(project):
     p = project("train.steps=40", "train.log_every=5", "checkpoint.every=5")
     p("up", "-d")
     run_dir = p.run_dir()
-    wait_until(lambda: any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10")
+    wait_for(lambda: any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10")
     node1 = p.container("cpu-node1")
     pid = int(docker("inspect", "-f", "{{.State.Pid}}", node1).stdout)
     assert pid > 1

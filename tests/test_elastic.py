@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
+from tests.procs import children, wait_for
 
 LONG = [*TINY, "train.steps=30", "checkpoint.every=5", "dist.timeout_s=20"]
 
@@ -82,15 +83,6 @@ def _state(proc: Path) -> str:
     return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def reached(run_dir: Path, step: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
 
@@ -109,7 +101,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_pa
     ref, hit = tmp_path / "ref", tmp_path / "hit"
     run_train(ref, *LONG[len(TINY):], nproc=2)
     proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
-    wait_until(lambda: reached(hit, 12), 120, "step 12")
+    wait_for(lambda: reached(hit, 12), 120, "step 12")
     os.kill(workers(hit)[1], signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 0, err[-3000:]
@@ -152,7 +144,7 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
                   overrides=[*TINY, "train.steps=24", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
-        wait_until(lambda: reached(tmp_path, 6), 120, "step 6")
+        wait_for(lambda: reached(tmp_path, 6), 120, "step 6")
         os.kill(workers(tmp_path)[1], signal.SIGSTOP)  # hung: it ignores the SIGTERM too, until SIGKILLed
         stopped_at = time.time()
         detected = err.seen(f"collective timed out after dist.timeout_s={timeout_s} s", 120) - stopped_at
@@ -176,7 +168,7 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
 
 def test_exhausted_restarts_end_with_one_line_and_a_nonzero_code(tmp_path):
     proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=0")
-    wait_until(lambda: reached(tmp_path, 3), 120, "step 3")
+    wait_for(lambda: reached(tmp_path, 3), 120, "step 3")
     os.kill(workers(tmp_path)[1], signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 1
@@ -187,7 +179,7 @@ def test_exhausted_restarts_end_with_one_line_and_a_nonzero_code(tmp_path):
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
     proc = launch(tmp_path, "--nproc-per-node=2")
-    wait_until(lambda: reached(tmp_path, 7), 120, "step 7")
+    wait_for(lambda: reached(tmp_path, 7), 120, "step 7")
     proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a time limit; forwarded as SIGTERM
     rc, out, err = finish(proc, timeout=60)
     assert rc == 75, err[-3000:]
@@ -207,12 +199,12 @@ def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
     a = launch(tmp_path, *common, overrides=overrides, host=host_a)
     b = None
     try:
-        wait_until(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
+        wait_for(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
         b = launch(tmp_path, *common, overrides=overrides, host=host_b)
         log0 = tmp_path / "logs" / "rank0.log"
-        wait_until(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
+        wait_for(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
         grown_at = max(m["step"] for m in metrics(tmp_path))
-        wait_until(lambda: reached(tmp_path, grown_at + 5), 120, "steps with 2 nodes")
+        wait_for(lambda: reached(tmp_path, grown_at + 5), 120, "steps with 2 nodes")
         kill_tree(b.pid)  # node B is lost: launcher, agent and workers
         rc, out, err = finish(a)
     finally:
@@ -292,16 +284,6 @@ def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried
     assert time.monotonic() - started < 30, "torchrun retried"  # 4 rounds would take longer
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def test_plain_torchrun_recovers_after_a_dataloader_worker_is_killed(tmp_path):
     """What the OOM killer often picks: a DataLoader worker. Plain torchrun (a README entry point, what a
     PyTorchJob runs without the launcher) shares its rendezvous store with the workers; the restarted
@@ -311,8 +293,8 @@ def test_plain_torchrun_recovers_after_a_dataloader_worker_is_killed(tmp_path):
     env = {k: v for k, v in clean_env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    wait_until(lambda: reached(tmp_path, 8), 120, "step 8")
-    loader = wait_until(lambda: children(workers(tmp_path)[1]), 30, "rank 1's DataLoader worker")[0]
+    wait_for(lambda: reached(tmp_path, 8), 120, "step 8")
+    loader = wait_for(lambda: children(workers(tmp_path)[1]), 30, "rank 1's DataLoader worker")[0]
     os.kill(loader, signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 0, err[-4000:]

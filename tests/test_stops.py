@@ -18,7 +18,6 @@ import torch
 
 from tests.conftest import (
     OBSERVED,
-    PY,
     ROOT,
     TINY,
     clean_env,
@@ -29,78 +28,10 @@ from tests.conftest import (
     summary,
     train_cmd,
 )
+from tests.procs import children, finish, kill_family, launch, logged_steps, wait_for, workers
 
 SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]  # stops land inside log windows of 5 steps
 SLOW_EVAL = ["data.image_size=32", "data.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
-
-
-def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",)) -> subprocess.Popen:
-    cmd = [PY, "-m", "train.launch", *launcher, "--", "--config", "configs/default.yaml", *TINY,
-           f"run.dir={run_dir}", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            _kill_family(proc.pid)
-    return proc.returncode, out, err
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return found
-
-
-def workers(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of the training processes under a launcher (launcher -> torchrun -> workers)."""
-    found = {}
-    for agent in children(launcher_pid):
-        for pid in children(agent):
-            try:
-                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode()
-                           .split("\0") if "=" in kv)
-            except OSError:
-                continue
-            if "RANK" in env:
-                found[int(env["RANK"])] = pid
-    return found
-
-
-def _kill_family(pid: int) -> None:
-    todo, family = [pid], []
-    while todo:
-        p = todo.pop()
-        family.append(p)
-        todo += children(p)
-    for p in family:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    """The steps of the training-loss lines of metrics.jsonl, in file order, duplicates kept."""
-    path = run_dir / "metrics.jsonl"
-    return [m["step"] for m in metrics(run_dir) if "loss" in m] if path.exists() else []
 
 
 def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
@@ -370,7 +301,7 @@ def test_a_stop_during_a_periodic_save_ends_with_that_save_within_one_step_and_o
         took = time.time() - t
     finally:
         if proc.poll() is None:
-            _kill_family(proc.pid)
+            kill_family(proc.pid)
     assert rc == 75 and took < budget + 5, f"exit {rc} after {took:.1f} s\n{err[-3000:]}"
     assert json.loads((tmp_path / "STOPPED").read_text())["step"] == step == latest_state(tmp_path)["step"]
     assert f"stopped on a peer rank signal at step {step}, checkpoint saved" in out or \
