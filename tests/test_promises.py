@@ -1,0 +1,266 @@
+"""Promises of the README that no test guarded: the learning-rate schedule, AdamW, the launcher's debug
+environment and stop-budget variables, ranks_in_sync saying no, and which samples the ranks read when
+the world size changes. Real processes (python -m train, torchrun, the launcher), real files."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_losses
+from tests.procs import environ, finish, kill_family, launch, wait_for, workers
+
+
+def after_import(tmp_path: Path, module: str, patch: str) -> dict:
+    """An environment whose PYTHONPATH holds a sitecustomize.py that, in every process of the launch, runs
+    `patch` (the body of `def _patch(module):`) right after `module` is first imported."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.machinery, sys\n"
+        "class _After(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name != {module!r}:\n"
+        "            return None\n"
+        "        sys.meta_path.remove(self)\n"
+        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
+        "        run = spec.loader.exec_module\n"
+        "        def exec_module(mod):\n"
+        "            run(mod)\n"
+        "            _patch(mod)\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, _After())\n"
+        "def _patch(module):\n" + "".join(f"    {line}\n" for line in patch.strip().splitlines()))
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    return env
+
+
+# ---------------------------------------------------------------- the learning rate and AdamW
+
+PEAK, WARMUP, FLOOR_RATIO, STEPS = 0.002, 3, 0.1, 24
+ADAMW = ["optim.name=adamw", f"optim.lr={PEAK}", f"optim.warmup_steps={WARMUP}", f"optim.min_lr_ratio={FLOOR_RATIO}",
+         f"train.steps={STEPS}", "checkpoint.every=12", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def adamw_run(tmp_path_factory) -> Path:
+    """One process, AdamW, 3 warm-up steps then cosine to 0.1 x the peak over 24 steps; checkpoints 12, 24."""
+    run_dir = tmp_path_factory.mktemp("adamw")
+    run_train(run_dir, *ADAMW)
+    return run_dir
+
+
+def expected_lr(step: int) -> float:
+    """The rate of optimizer step `step` (1-based, as metrics.jsonl numbers them), from the README's words:
+    a linear warm-up over the first WARMUP steps up to the peak, then half a cosine from the peak down to
+    peak x min_lr_ratio, which the schedule reaches as the run ends (after its last step)."""
+    if step <= WARMUP:
+        return PEAK * step / WARMUP
+    done = (step - 1 - WARMUP) / (STEPS - WARMUP)  # share of the decay behind this step: 0 at the first
+    floor = PEAK * FLOOR_RATIO
+    return floor + (PEAK - floor) * (1 + math.cos(math.pi * done)) / 2
+
+
+def test_the_learning_rate_warms_up_then_decays_along_a_cosine_to_the_floor(adamw_run):
+    logged = {m["step"]: m["lr"] for m in metrics(adamw_run) if "lr" in m}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for step, lr in logged.items():
+        assert lr == pytest.approx(expected_lr(step), rel=1e-9, abs=1e-15), (step, lr, expected_lr(step))
+    assert logged[1] == pytest.approx(PEAK / WARMUP) and logged[WARMUP] == logged[WARMUP + 1] == pytest.approx(PEAK)
+    decay = [logged[s] for s in range(WARMUP + 1, STEPS + 1)]
+    assert decay == sorted(decay, reverse=True) and min(decay) > PEAK * FLOOR_RATIO
+
+
+def test_adamw_trains_saves_its_moments_and_resumes_bitwise(tmp_path, adamw_run):
+    losses = train_losses(adamw_run)
+    first, last = [losses[s] for s in range(1, 7)], [losses[s] for s in range(STEPS - 5, STEPS + 1)]
+    # It learns (measured: the first 6 steps' losses average 2.45, the last 6's 1.63; eval loss 1.76 < ln 10).
+    assert sum(last) / 6 < sum(first) / 6 - 0.4 and summary(adamw_run)["eval_loss"] < 2.0, losses
+    state = latest_state(adamw_run)
+    assert state["step"] == STEPS
+    for group in state["optimizer"]["param_groups"]:
+        assert group["betas"] == (0.9, 0.999) and "momentum" not in group, group  # AdamW's, not SGD's
+    moments = state["optimizer"]["state"]
+    assert len(moments) == sum(len(g["params"]) for g in state["optimizer"]["param_groups"])  # every parameter
+    for st in moments.values():
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == STEPS, set(st)
+        assert st["exp_avg_sq"].abs().sum() > 0
+    # Continue from step 12 in a new run directory: the same weights, moments and losses as the run that went on.
+    resumed = tmp_path / "resumed"
+    proc = run_train(resumed, *ADAMW, f"resume={adamw_run / 'checkpoints' / 'step_00000012.pt'}")
+    assert "at step 12" in proc.stdout
+    other = latest_state(resumed)
+    for k, v in state["model"].items():
+        assert torch.equal(v, other["model"][k]), k
+    for i, st in moments.items():
+        for k, v in st.items():
+            assert torch.equal(v, other["optimizer"]["state"][i][k]), (i, k)
+    assert train_losses(resumed) == {s: loss for s, loss in losses.items() if s > 12}
+
+
+# ---------------------------------------------------------------- the launcher's environment
+
+DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO", "NCCL_DEBUG": "INFO",
+             "NCCL_DEBUG_SUBSYS": "INIT,COLL,NET", "LOGLEVEL": "INFO"}
+
+
+def _worker_env(run_dir: Path, launcher: tuple[str, ...], env: dict) -> tuple[dict[int, dict], list[str]]:
+    """Start the launcher, read its workers' environments and torchrun's command line from /proc, end it."""
+    proc = launch(run_dir, "train.steps=500", launcher=launcher, env=env)
+    try:
+        ranks = wait_for(lambda: w if len(w := workers(proc.pid)) == 2 else None, 120, "two workers")
+        envs = {rank: environ(pid) for rank, pid in ranks.items()}
+        agent = Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1]  # the workers' parent
+        cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().decode().split("\0")
+    finally:
+        kill_family(proc.pid)
+        finish(proc, 30)
+    return envs, cmdline
+
+
+@pytest.mark.parametrize("how", ["--debug", "LAUNCH_DEBUG=1", "off"])
+def test_debug_gives_the_workers_the_verbose_distributed_environment(tmp_path, how):
+    """--debug or LAUNCH_DEBUG=1: every worker runs with torch.distributed's and NCCL's verbose settings
+    (NCCL's log into the run directory), a variable the user set keeps its value; without them, none.
+    The stop budget from TORCH_ELASTIC_SHUTDOWN_TIMEOUT is what torchrun really runs with."""
+    env = clean_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="47")
+    launcher = ("--nproc-per-node=2", "--debug") if how == "--debug" else ("--nproc-per-node=2",)
+    if how == "LAUNCH_DEBUG=1":
+        env |= {"LAUNCH_DEBUG": "1", "TORCH_CPP_LOG_LEVEL": "WARNING"}  # set by the user: it wins
+    envs, cmdline = _worker_env(tmp_path, launcher, env)
+    assert "--shutdown-timeout=47" in cmdline, cmdline
+    assert sorted(envs) == [0, 1]
+    for rank, got in envs.items():
+        if how == "off":
+            assert not {k: got[k] for k in (*DEBUG_ENV, "NCCL_DEBUG_FILE") if k in got}, (rank, got)
+            continue
+        want = DEBUG_ENV | ({"TORCH_CPP_LOG_LEVEL": "WARNING"} if how == "LAUNCH_DEBUG=1" else {})
+        assert {k: got.get(k) for k in want} == want, rank
+        assert got["NCCL_DEBUG_FILE"] == str(tmp_path.resolve() / "logs" / "nccl.%h.%p.log"), got["NCCL_DEBUG_FILE"]
+
+
+def _dry_run(**env: str) -> str:
+    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--dry-run", "--", "--config",
+                           "configs/default.yaml"], cwd=ROOT, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (flag,) = [a for a in proc.stderr.split() if a.startswith("--shutdown-timeout=")]
+    return flag.split("=", 1)[1]
+
+
+def test_the_stop_budget_falls_back_to_torchruns_variables_with_stop_timeout_first():
+    assert _dry_run() == "30"
+    assert _dry_run(PET_SHUTDOWN_TIMEOUT="45") == "45"
+    assert _dry_run(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "50"
+    assert _dry_run(PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "45"
+    assert _dry_run(STOP_TIMEOUT="40", PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "40"
+
+
+# ---------------------------------------------------------------- ranks_in_sync
+
+def test_ranks_in_sync_says_false_when_one_rank_holds_other_weights(tmp_path):
+    """Rank 1 alone moves one element of one parameter by the smallest float step after the last optimizer
+    step (a sitecustomize in that process): summary.json says the ranks are not in sync."""
+    env = after_import(tmp_path, "train.trainer", """
+import os
+import torch
+if os.environ.get("RANK") == "1":
+    real = module.train_step
+    def train_step(parts, *args, **kwargs):
+        loss = real(parts, *args, **kwargs)
+        if parts.step == parts.cfg.train.steps:
+            with torch.no_grad():
+                w = next(parts.raw.parameters()).view(-1)
+                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+        return loss
+    module.train_step = train_step
+""")
+    run = tmp_path / "run"
+    run_train(run, "train.steps=2", nproc=2, env=env)
+    assert summary(run)["ranks_in_sync"] is False, summary(run)
+
+
+# ---------------------------------------------------------------- which samples, across world sizes
+
+MICRO, GLOBAL, SAMPLES = 4, 24, 256  # 24 divides over 1, 2 and 3 ranks of 4
+# (world size, train.steps at the end of the segment): 2 ranks to step 3, 1 to step 6, 3 to step 14. Three
+# ranks read 252 of the 256 samples an epoch (each its 85, less its incomplete micro-batch), so epoch 0
+# ends 4.5 steps into the last segment and epoch 1 has 84 samples read at its end.
+SEGMENTS = [(2, 3), (1, 6), (3, 14)]
+
+
+def uninterrupted_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
+    """{epoch: how many samples of it are read}, epoch by epoch as an uninterrupted run would: an epoch ends
+    when the world size of the moment has read what it reads of an epoch (DistributedSampler with drop_last
+    gives each rank SAMPLES // world of them, and the loader drops each rank's incomplete micro-batch)."""
+    counts, epoch, done, step = {}, 0, 0, 0
+    for world, until in segments:
+        per_epoch = world * (SAMPLES // world // MICRO * MICRO)
+        left = (until - step) * GLOBAL
+        assert done <= per_epoch, "a world size that reads less of an epoch than was already read"
+        while left:
+            take = min(left, per_epoch - done)
+            done, left = done + take, left - take
+            counts[epoch] = done
+            if done == per_epoch:
+                epoch, done = epoch + 1, 0
+        step = until
+    return counts
+
+
+def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
+    """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
+    in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
+    each epoch, the samples an uninterrupted run reads, each once: the start of torch's DistributedSampler
+    permutation of the epoch (seeded by seed + epoch), as far as the world size of the moment reads."""
+    reads_dir = tmp_path / "reads"
+    reads_dir.mkdir()
+    env = after_import(tmp_path, "train.data", """
+import os
+real_datasets = module.datasets
+def datasets(cfg):
+    train, *rest = real_datasets(cfg)
+    base = type(train)
+    log = open(os.path.join(os.environ["READS_DIR"], f"{os.getpid()}.txt"), "a", buffering=1)
+    rank = os.environ.get("RANK", "0")
+    class Recorded(base):
+        def __getitem__(self, key):
+            log.write(f"{rank} {key[1]} {key[0]}\\n")
+            return base.__getitem__(self, key)
+    train.__class__ = Recorded
+    return (train, *rest)
+module.datasets = datasets
+""")
+    env["READS_DIR"] = str(reads_dir)
+    run = tmp_path / "run"
+    for world, steps in SEGMENTS:
+        run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
+                  f"data.train_samples={SAMPLES}", f"train.steps={steps}", nproc=world, env=env)
+    by_epoch: dict[int, list[int]] = {}
+    processes = list(reads_dir.iterdir())
+    ranks = set()
+    for path in processes:
+        for line in path.read_text().splitlines():
+            rank, epoch, index = map(int, line.split())
+            by_epoch.setdefault(epoch, []).append(index)
+            ranks.add(rank)
+    assert ranks == set(range(max(w for w, _ in SEGMENTS))) and len(processes) == sum(w for w, _ in SEGMENTS)
+    expected = uninterrupted_reads(SEGMENTS)
+    assert sorted(by_epoch) == sorted(expected), ({e: len(r) for e, r in by_epoch.items()}, expected)
+    for epoch, read in sorted(by_epoch.items()):
+        twice = sorted(i for i, n in Counter(read).items() if n > 1)
+        assert not twice, f"epoch {epoch}: samples read twice: {twice}"
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0 + epoch)).tolist()
+        wanted = order[:expected[epoch]]
+        assert sorted(read) == sorted(wanted), (
+            f"epoch {epoch}: {len(read)} read, {len(wanted)} expected; not read: {sorted(set(wanted) - set(read))}; "
+            f"read, not expected: {sorted(set(read) - set(wanted))}")
+    assert summary(run)["steps"] == SEGMENTS[-1][1] and summary(run)["world_size"] == SEGMENTS[-1][0]
