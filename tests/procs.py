@@ -51,15 +51,24 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def torchrun(launcher_pid: int) -> int:
-    """The torchrun agent under a launcher."""
-    return wait_for(lambda: next(iter(children(launcher_pid)), None), 60, "torchrun")
+    """The torchrun agent under a launcher (not another, short-lived child of it)."""
+    def find():
+        for pid in children(launcher_pid):
+            try:
+                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                pass
+        return None
+
+    return wait_for(find, 60, "torchrun")
 
 
 def workers(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the training processes under a launcher (launcher -> torchrun -> workers)."""
     found = {}
     for agent in children(launcher_pid):
-        for pid in children(agent):
+        for pid in children(agent):  # a short-lived child of the launcher has no RANK in its environment
             if "RANK" in (env := environ(pid)):
                 found[int(env["RANK"])] = pid
     return found
