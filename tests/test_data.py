@@ -71,8 +71,10 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
 def test_shard_sampler_skips_what_was_consumed():
     ds = list(range(40))
     full = list(data.ShardSampler(ds, 2, 1, seed=0))
+    torch_shard = list(torch.utils.data.DistributedSampler(ds, 2, 1, shuffle=True, seed=0, drop_last=True))
+    assert [i for i, _ in full] == torch_shard  # DistributedSampler's shard, epoch for epoch
     s = data.ShardSampler(ds, 2, 1, seed=0)
-    s.skip = 7
+    s.start = 14  # 7 per rank read
     assert list(s) == full[7:] and len(s) == len(full) - 7
     s.set_epoch(1)
     s.skip = 0

@@ -191,26 +191,25 @@ if os.environ.get("RANK") == "1":
 # ---------------------------------------------------------------- which samples, across world sizes
 
 MICRO, GLOBAL, SAMPLES = 4, 24, 256  # 24 divides over 1, 2 and 3 ranks of 4
-# (world size, train.steps at the end of the segment): 2 ranks to step 3, 1 to step 6, 3 to step 14. Three
-# ranks read 252 of the 256 samples an epoch (each its 85, less its incomplete micro-batch), so epoch 0
-# ends 4.5 steps into the last segment and epoch 1 has 84 samples read at its end.
-SEGMENTS = [(2, 3), (1, 6), (3, 14)]
+# (world size, train.steps at the end of the segment): 2 ranks to step 3 (72 samples of epoch 0), 1 to step
+# 14 (epoch 0 ends at 256, 80 of epoch 1), 3 to step 22: 80 does not divide by 3, the rest of epoch 1 (176
+# samples, 58 a rank, 56 in whole micro-batches) ends at 248, and 24 samples of epoch 2 follow.
+SEGMENTS = [(2, 3), (1, 14), (3, 22)]
 
 
-def uninterrupted_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
-    """{epoch: how many samples of it are read}, epoch by epoch as an uninterrupted run would: an epoch ends
-    when the world size of the moment has read what it reads of an epoch (DistributedSampler with drop_last
-    gives each rank SAMPLES // world of them, and the loader drops each rank's incomplete micro-batch)."""
+def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
+    """{epoch: how many samples of it are read}: the world size of the moment reads the rest of the epoch's
+    permutation, each rank every world-th sample of it (DistributedSampler's strided shards, the tail that
+    does not divide dropped), less each rank's incomplete micro-batch."""
     counts, epoch, done, step = {}, 0, 0, 0
     for world, until in segments:
-        per_epoch = world * (SAMPLES // world // MICRO * MICRO)
         left = (until - step) * GLOBAL
-        assert done <= per_epoch, "a world size that reads less of an epoch than was already read"
         while left:
-            take = min(left, per_epoch - done)
+            ends_at = done + world * ((SAMPLES - done) // world // MICRO * MICRO)
+            take = min(left, ends_at - done)
             done, left = done + take, left - take
             counts[epoch] = done
-            if done == per_epoch:
+            if done == ends_at:
                 epoch, done = epoch + 1, 0
         step = until
     return counts
@@ -219,8 +218,8 @@ def uninterrupted_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
 def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
     """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
     in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
-    each epoch, the samples an uninterrupted run reads, each once: the start of torch's DistributedSampler
-    permutation of the epoch (seeded by seed + epoch), as far as the world size of the moment reads."""
+    each epoch, each sample at most once: the start of torch's DistributedSampler permutation of the epoch
+    (seeded by seed + epoch), as far as the world sizes read it (none skipped but the last tail)."""
     reads_dir = tmp_path / "reads"
     reads_dir.mkdir()
     env = after_import(tmp_path, "train.data", """
@@ -253,7 +252,7 @@ module.datasets = datasets
             by_epoch.setdefault(epoch, []).append(index)
             ranks.add(rank)
     assert ranks == set(range(max(w for w, _ in SEGMENTS))) and len(processes) == sum(w for w, _ in SEGMENTS)
-    expected = uninterrupted_reads(SEGMENTS)
+    expected = expected_reads(SEGMENTS)
     assert sorted(by_epoch) == sorted(expected), ({e: len(r) for e, r in by_epoch.items()}, expected)
     for epoch, read in sorted(by_epoch.items()):
         twice = sorted(i for i, n in Counter(read).items() if n > 1)

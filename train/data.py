@@ -3,12 +3,12 @@
 Every training sample is addressed by (index, epoch), and its augmentation is seeded from
 (seed, epoch, index) alone. So the pixels a step sees depend neither on the number of loader workers
 nor on whether the run was resumed: the data position of a checkpoint is just (epoch, samples
-consumed in that epoch), and the sampler skips that many on resume.
+consumed in that epoch over all ranks), and the sampler starts the epoch's permutation after them on
+resume, whatever the world size.
 """
 
 from __future__ import annotations
 
-import itertools
 import pickle
 import signal
 from dataclasses import dataclass
@@ -168,18 +168,26 @@ def datasets(cfg: Config) -> tuple[Dataset, Dataset, int]:
 # ---------------------------------------------------------------- sampling and loading
 
 class ShardSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch and tags each index with its epoch."""
+    """DistributedSampler's epoch (the same permutation, the same strided shards, the tail that does not
+    divide dropped) that can start part-way into it, and tags each index with its epoch.
+
+    `start` counts the samples of the epoch already read over all ranks, whatever the world size then:
+    the rest of the permutation is sharded over the ranks of now. On the same world size this is exactly
+    DistributedSampler's shard less its first start / world_size samples; after a world-size change no
+    sample of the epoch is read twice and none skipped (but the tail of fewer than one per rank)."""
 
     def __init__(self, dataset: Dataset, world_size: int, rank: int, seed: int):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.skip = 0  # samples of this rank's shard already consumed in this epoch
+        self.start = 0  # samples of this epoch already read, over all ranks
 
     def __iter__(self):
-        for index in itertools.islice(super().__iter__(), self.skip, None):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)  # as DistributedSampler shuffles
+        rest = torch.randperm(len(self.dataset), generator=g).tolist()[self.start:]
+        for index in rest[self.rank:len(self) * self.num_replicas:self.num_replicas]:
             yield index, self.epoch
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return (len(self.dataset) - self.start) // self.num_replicas
 
 
 @dataclass
@@ -195,7 +203,7 @@ class TrainStream:
     def __iter__(self):
         while True:
             self.sampler.set_epoch(self.epoch)
-            self.sampler.skip = self.samples_in_epoch // self.world_size
+            self.sampler.start = self.samples_in_epoch
             for batch in self.loader:
                 self.samples_in_epoch += len(batch[1]) * self.world_size
                 yield batch
