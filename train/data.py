@@ -9,8 +9,8 @@ consumed in that epoch), and the sampler skips that many on resume.
 from __future__ import annotations
 
 import itertools
+import multiprocessing.forkserver
 import pickle
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from train.config import Config, ConfigError
+from train.loader_server import ignore_stop_signals
 
 CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = "test_batch"
@@ -210,9 +211,33 @@ class TrainStream:
 
 def _ignore_stop_signals(worker_id: int) -> None:
     """Loader workers leave stop signals to the training process, which checkpoints and then ends
-    them; a worker killed by a SIGTERM sent to the whole process group would break the last step."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    them; a worker killed by a SIGTERM sent to the whole process group would break the last step.
+    The fork server (below) already ignores them, so workers inherit that from their first instruction;
+    this covers a fork server started by someone else, without train.loader_server preloaded."""
+    ignore_stop_signals()
+
+
+def worker_context():
+    """The multiprocessing context of every loader worker: forkserver, never fork.
+
+    A worker forked from the training process, which runs threads (gloo's, the training loader's
+    feeder and pin-memory threads, an asynchronous checkpoint's), can hang in os.fork() before its first
+    instruction: CPython's gh-112275 (fixed in 3.12 and after 3.11.7; Debian 12's and many clusters'
+    3.11 have it): the child waits forever on a lock another thread held at the fork, and its rank
+    waits forever for its batch. The fork server is started by fork+exec (no Python runs in the forked
+    child before the exec) and is single-threaded, so the workers it forks are safe. It preloads
+    train.loader_server: stop signals ignored (inherited by every worker), torch and this module
+    imported once (a worker starts in a few ms). It ends when this process does (its pipe closes), and
+    the workers then end too (torch's workers watch their parent).
+
+    The cost: a worker's arguments are pickled, the dataset among them; its tensors go through shared
+    memory (moved there once, then passed as file descriptors), an ImageFolder's file list is copied."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["train.loader_server"])
+    # Start it now: it imports torch while this process builds the model, not at the first batch. It is
+    # started once per process; a fork server that died (SIGKILL) is started again at the next worker.
+    multiprocessing.forkserver.ensure_running()
+    return ctx
 
 
 def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainStream, DataLoader, int]:
@@ -229,7 +254,7 @@ def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainS
             "generator": torch.Generator().manual_seed(cfg.seed + rank)}
     if d.num_workers > 0:
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
-                 "worker_init_fn": _ignore_stop_signals}
+                 "worker_init_fn": _ignore_stop_signals, "multiprocessing_context": worker_context()}
     sampler = ShardSampler(train_set, world_size, rank, cfg.seed)
     train = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **opts)
     # Evaluation: every sample exactly once over all ranks (no padding), results all-reduced.

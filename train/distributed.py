@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -235,6 +236,14 @@ def exit_process(code: int) -> None:
     take_gil -> PyThread_exit_thread, while the main thread is in Py_FinalizeEx). Everything is
     written and closed by now; what is left (loader workers) is freed first, the streams flushed."""
     gc.collect()  # DataLoader iterators shut their worker processes down in their finalizers
+    # Their queues' feeder threads end just after (closed, they were not joined): wait for them, a few ms,
+    # so that the semaphores they hold are freed. Loader workers start from a fork server (train/data.py),
+    # whose queues' semaphores multiprocessing's resource tracker follows: one still held here would be
+    # reported as "leaked semaphore objects" when the process ends.
+    deadline = time.monotonic() + 2.0
+    for t in threading.enumerate():
+        if t.name == "QueueFeederThread":
+            t.join(max(0.0, deadline - time.monotonic()))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
