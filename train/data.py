@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing.forkserver
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,12 +210,24 @@ class TrainStream:
         self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
+def _worker_init(worker_id: int) -> None:
     """Loader workers leave stop signals to the training process, which checkpoints and then ends
     them; a worker killed by a SIGTERM sent to the whole process group would break the last step.
     The fork server (below) already ignores them, so workers inherit that from their first instruction;
-    this covers a fork server started by someone else, without train.loader_server preloaded."""
+    this covers a fork server started by someone else, without train.loader_server preloaded.
+
+    A worker also lets go of the fork server's "alive" pipe, which it inherits: the server ends when the
+    last holder of that pipe does, and a worker watches its parent, the server. Held by the workers too,
+    a SIGKILL of the training process would leave the server and the workers waiting for each other."""
     ignore_stop_signals()
+    fs = multiprocessing.forkserver._forkserver
+    if getattr(fs, "_forkserver_alive_fd", None) is not None:
+        try:
+            os.close(fs._forkserver_alive_fd)
+        except OSError:
+            pass
+        # A process this worker starts with the forkserver method then starts a server of its own.
+        fs._forkserver_alive_fd = fs._forkserver_address = None
 
 
 def worker_context():
@@ -254,7 +267,7 @@ def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainS
             "generator": torch.Generator().manual_seed(cfg.seed + rank)}
     if d.num_workers > 0:
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
-                 "worker_init_fn": _ignore_stop_signals, "multiprocessing_context": worker_context()}
+                 "worker_init_fn": _worker_init, "multiprocessing_context": worker_context()}
     sampler = ShardSampler(train_set, world_size, rank, cfg.seed)
     train = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **opts)
     # Evaluation: every sample exactly once over all ranks (no padding), results all-reduced.

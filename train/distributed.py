@@ -282,8 +282,12 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
-    if m := re.search(r"DataLoader worker \(pid[^)]*\) is killed by signal: ?([^.]*)", text):
-        return (f"a DataLoader worker was killed ({m[1] or 'signal'}; often the out-of-memory killer): lower "
+    # Loader workers are children of their fork server (train/data.py), not of the rank, so torch sees their
+    # end as "exited unexpectedly", without the signal ("is killed by signal: Killed" for its own children).
+    worker = r"DataLoader worker \(pid(?:\(s\))?[^)]*\) (is killed by signal: ?([^.]*)|exited unexpectedly)"
+    if m := re.search(worker, text):
+        how = f"was killed ({m[2] or 'signal'}" if m[1].startswith("is killed") else "died (it exited unexpectedly"
+        return (f"a DataLoader worker {how}; often the out-of-memory killer): lower "
                 "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
                 "restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):

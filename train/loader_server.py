@@ -15,9 +15,14 @@ import sys
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def ignore_stop_signals() -> None:
+def ignore_stop_signals(blocked: bool = False) -> None:
+    """Ignore them; blocked too in the fork server, so that the workers it forks inherit them blocked:
+    torch's worker loop installs a SIGTERM handler of its own before the worker's init function
+    (data._worker_init) ignores it again, and one arriving in between stays pending, then is discarded
+    (ignoring a pending signal discards it) before the init function unblocks them."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def in_fork_server() -> bool:
@@ -28,7 +33,7 @@ def in_fork_server() -> bool:
 
 
 if in_fork_server():
-    ignore_stop_signals()
+    ignore_stop_signals(blocked=True)
     import torch  # noqa: F401,E402
 
     import train.data  # noqa: F401,E402
