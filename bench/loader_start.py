@@ -69,7 +69,11 @@ def loader_starts(repeats: int, out: dict) -> None:
     # fork too, and must not hang itself).
     background = DataLoader(train_set, batch_size=8, sampler=data.ShardSampler(train_set, 1, 0, 0), num_workers=1,
                             persistent_workers=True, multiprocessing_context=ctx["forkserver"])
-    stream = iter(background)
+    def endless():
+        while True:
+            yield from background  # persistent: the same worker, epoch after epoch
+
+    stream = endless()
     next(stream)
     keys = [(i, 0) for i in range(len(eval_set))]
     for workers in (1, 2):
