@@ -181,13 +181,10 @@ def run(cfg, denv) -> int:
 
     host = socket.gethostname()
     nccl_log = _nccl_log_setup() if cfg.dist.backend in ("nccl", "auto") and torch.cuda.is_available() else None
-    # The rendezvous probe forks (train/launch.py, probe_endpoint): before the process group starts its
-    # threads, since a fork of a threaded process can hang in the child (CPython gh-112275; train/data.py).
-    rdzv = _rendezvous(host) if denv.local_rank == 0 else None
     device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
     try:
         rows = _local_checks(cfg, denv, device, host)
-        if rdzv:
+        if denv.local_rank == 0 and (rdzv := _rendezvous(host)):
             rows.append(rdzv)
         correct, busbw, nbytes = _all_reduce(device, denv.world_size, denv.rank)
         if denv.local_rank == 0:
