@@ -213,8 +213,9 @@ class TrainStream:
 def _worker_init(worker_id: int) -> None:
     """Loader workers leave stop signals to the training process, which checkpoints and then ends
     them; a worker killed by a SIGTERM sent to the whole process group would break the last step.
-    The fork server (below) already ignores them, so workers inherit that from their first instruction;
-    this covers a fork server started by someone else, without train.loader_server preloaded.
+    The fork server (below) already ignores and blocks them, so workers inherit that from their first
+    instruction (torch's worker loop then handles SIGTERM until here: blocked, one cannot arrive); this
+    ignores them again and unblocks them, and covers a fork server started without train.loader_server.
 
     A worker also lets go of the fork server's "alive" pipe, which it inherits: the server ends when the
     last holder of that pipe does, and a worker watches its parent, the server. Held by the workers too,
@@ -235,8 +236,8 @@ def worker_context():
 
     A worker forked from the training process, which runs threads (gloo's, the training loader's
     feeder and pin-memory threads, an asynchronous checkpoint's), can hang in os.fork() before its first
-    instruction: CPython's gh-112275 (fixed in 3.12 and after 3.11.7; Debian 12's and many clusters'
-    3.11 have it): the child waits forever on a lock another thread held at the fork, and its rank
+    instruction: CPython's gh-112275 (fixed in 3.12, and in 3.11 in September 2024: CI's 3.11.7 and
+    Debian 12's 3.11.2 have it): the child waits forever on a lock another thread held at the fork, and its rank
     waits forever for its batch. The fork server is started by fork+exec (no Python runs in the forked
     child before the exec) and is single-threaded, so the workers it forks are safe. It preloads
     train.loader_server: stop signals ignored (inherited by every worker), torch and this module
