@@ -14,10 +14,15 @@
 # The GPU driver is mounted at run time by the NVIDIA container toolkit (docker --gpus, the Kubernetes
 # device plugin, enroot/pyxis); enroot and a default nvidia runtime inject it only when the image sets
 # NVIDIA_VISIBLE_DEVICES (below; --gpus and the device plugin override it with the GPUs they grant).
-# The CUDA 13 wheels need an NVIDIA driver >= 580 and a Turing or newer GPU (see the README). Same Python as CI, so pip resolves the same wheels CI tests; bump both together.
+# The CUDA 13 wheels need an NVIDIA driver >= 580 and a Turing or newer GPU (see the README).
+# Python: the same minor as CI (3.11), so pip resolves the same cp311 wheels of the same pins CI tests; but
+# a later patch release than CI's 3.11.7, which has CPython gh-112275 (a process forked while another
+# thread holds the runtime's lock hangs in the child; fixed for 3.11 by PR 112336, merged in September
+# 2024). The template no longer forks from a threaded process (loader workers start from a fork server:
+# train/data.py), but a user's code may, and the image can have the fix for free. Bump the minor with CI.
 
 # ---- stage 1: the virtual environment, from the requirement set CI installs and tests
-FROM python:3.11.7-slim-bookworm AS deps
+FROM python:3.11.14-slim-bookworm AS deps
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,7 +31,7 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt
 
 # ---- stage 2: the runtime (no pip cache, no build leftovers)
-FROM python:3.11.7-slim-bookworm
+FROM python:3.11.14-slim-bookworm
 
 # A numeric non-root user (the Kubernetes manifests run as 10001 too); a passwd entry, because
 # getpass.getuser() (torch's compile caches) needs one. /runs: run directories and checkpoints.
@@ -62,7 +67,7 @@ LABEL org.opencontainers.image.title="ddp-template" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.source="${SOURCE}" \
-      org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
+      org.opencontainers.image.base.name="docker.io/library/python:3.11.14-slim-bookworm"
 
 # HOME and every cache on /tmp: the root filesystem may be read-only (Kubernetes, compose).
 # NCCL: warnings only (no INFO/TRACE), and a failed or hung collective ends the process instead of

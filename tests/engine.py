@@ -69,7 +69,9 @@ def has_image(name: str) -> bool:
 
 
 def make_standin_base(name: str) -> None:
-    """Debian bookworm's minimal system + Python, tagged as the Dockerfile's base (about a minute)."""
+    """Debian bookworm's minimal system + Python, tagged as the Dockerfile's base (about a minute). Whatever
+    patch release the tag names (python:3.11.14-...), the stand-in's Python is Debian 12's 3.11.2: the
+    same minor, so pip installs the same cp311 wheels."""
     if not shutil.which("debootstrap"):
         required("debootstrap", "not installed (.ci/run installs it): it makes the stand-in base image")
     if os.geteuid() != 0:

@@ -9,8 +9,9 @@ resume, whatever the world size.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import os
 import pickle
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from train.config import Config, ConfigError
+from train.loader_server import ignore_stop_signals
 
 CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = "test_batch"
@@ -216,11 +218,48 @@ class TrainStream:
         self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
+def _worker_init(worker_id: int) -> None:
     """Loader workers leave stop signals to the training process, which checkpoints and then ends
-    them; a worker killed by a SIGTERM sent to the whole process group would break the last step."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    them; a worker killed by a SIGTERM sent to the whole process group would break the last step.
+    The fork server (below) already ignores and blocks them, so workers inherit that from their first
+    instruction (torch's worker loop then handles SIGTERM until here: blocked, one cannot arrive); this
+    ignores them again and unblocks them, and covers a fork server started without train.loader_server.
+
+    A worker also lets go of the fork server's "alive" pipe, which it inherits: the server ends when the
+    last holder of that pipe does, and a worker watches its parent, the server. Held by the workers too,
+    a SIGKILL of the training process would leave the server and the workers waiting for each other."""
+    ignore_stop_signals()
+    fs = multiprocessing.forkserver._forkserver
+    if getattr(fs, "_forkserver_alive_fd", None) is not None:
+        try:
+            os.close(fs._forkserver_alive_fd)
+        except OSError:
+            pass
+        # A process this worker starts with the forkserver method then starts a server of its own.
+        fs._forkserver_alive_fd = fs._forkserver_address = None
+
+
+def worker_context():
+    """The multiprocessing context of every loader worker: forkserver, never fork.
+
+    A worker forked from the training process, which runs threads (gloo's, the training loader's
+    feeder and pin-memory threads, an asynchronous checkpoint's), can hang in os.fork() before its first
+    instruction: CPython's gh-112275 (fixed in 3.12, and in 3.11 in September 2024: CI's 3.11.7 and
+    Debian 12's 3.11.2 have it): the child waits forever on a lock another thread held at the fork, and its rank
+    waits forever for its batch. The fork server is started by fork+exec (no Python runs in the forked
+    child before the exec) and is single-threaded, so the workers it forks are safe. It preloads
+    train.loader_server: stop signals ignored (inherited by every worker), torch and this module
+    imported once (a worker starts in a few ms). It ends when this process does (its pipe closes), and
+    the workers then end too (torch's workers watch their parent).
+
+    The cost: a worker's arguments are pickled, the dataset among them; its tensors go through shared
+    memory (moved there once, then passed as file descriptors), an ImageFolder's file list is copied."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["train.loader_server"])
+    # Start it now: it imports torch while this process builds the model, not at the first batch. It is
+    # started once per process; a fork server that died (SIGKILL) is started again at the next worker.
+    multiprocessing.forkserver.ensure_running()
+    return ctx
 
 
 def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainStream, DataLoader, int]:
@@ -237,7 +276,7 @@ def loaders(cfg: Config, rank: int, world_size: int, cuda: bool) -> tuple[TrainS
             "generator": torch.Generator().manual_seed(cfg.seed + rank)}
     if d.num_workers > 0:
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
-                 "worker_init_fn": _ignore_stop_signals}
+                 "worker_init_fn": _worker_init, "multiprocessing_context": worker_context()}
     sampler = ShardSampler(train_set, world_size, rank, cfg.seed)
     train = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **opts)
     # Evaluation: every sample exactly once over all ranks (no padding), results all-reduced.

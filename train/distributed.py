@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -249,6 +250,14 @@ def exit_process(code: int) -> None:
     take_gil -> PyThread_exit_thread, while the main thread is in Py_FinalizeEx). Everything is
     written and closed by now; what is left (loader workers) is freed first, the streams flushed."""
     gc.collect()  # DataLoader iterators shut their worker processes down in their finalizers
+    # Their queues' feeder threads end just after (closed, they were not joined): wait for them, a few ms,
+    # so that the semaphores they hold are freed. Loader workers start from a fork server (train/data.py),
+    # whose queues' semaphores multiprocessing's resource tracker follows: one still held here would be
+    # reported as "leaked semaphore objects" when the process ends.
+    deadline = time.monotonic() + 2.0
+    for t in threading.enumerate():
+        if t.name == "QueueFeederThread":
+            t.join(max(0.0, deadline - time.monotonic()))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -299,9 +308,13 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
-    if re.search(r"DataLoader worker \(pid[^)]*\) (is killed by signal|exited unexpectedly)", text):
-        signal_name = next(iter(re.findall(r"is killed by signal: ?([^.\n]*)", text)), "") or "signal"
-        return (f"a DataLoader worker was killed ({signal_name}; often the out-of-memory killer): lower "
+    # Loader workers are children of their fork server (train/data.py), not of the rank, so torch sees their
+    # end as "exited unexpectedly"; the signal is named where the chain of causes has it ("is killed by
+    # signal: Killed", for a worker that is torch's own child).
+    if re.search(r"DataLoader worker \(pid(?:\(s\))?[^)]*\) (is killed by signal|exited unexpectedly)", text):
+        sig = next(iter(re.findall(r"is killed by signal: ?([^.\n]*)", text)), "")
+        how = f"was killed ({sig}" if sig else "died (it exited unexpectedly"
+        return (f"a DataLoader worker {how}; often the out-of-memory killer): lower "
                 "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
                 "restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):

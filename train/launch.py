@@ -245,7 +245,10 @@ def probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> tuple[str, str, str
                     return NOT_YET, f"{endpoint} is not reachable yet ({e2.strerror or e2})", None
     # In use here: fine if it is a c10d store (another agent of this job), not if it is anything else.
     # A store client of something that accepts but never answers can hang past its timeout, so the
-    # probe runs in a child process that is killed if it does not answer in time.
+    # probe runs in a child process that is killed if it does not answer in time. A fork: the launcher
+    # calls this before torchrun and any other thread (safe); the doctor calls it after its process group
+    # started gloo's/NCCL's threads, and there a fork can hang in the child (CPython gh-112275, see
+    # train/data.py): the kill below bounds it, at worst a wrong "in use by another program" row.
     def probe():
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the store client's C++ complaints are not news
         try:

@@ -1,0 +1,191 @@
+"""DataLoader workers under torchrun: hundreds of starts without a hang, stop signals ignored by the workers
+and their fork server, and nothing left running after a rank is killed.
+
+A worker forked from a rank that runs threads could hang in os.fork() before its first instruction
+(CPython gh-112275, issue 24): train/data.py starts them from a fork server instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import PY, ROOT, clean_env, metrics, summary
+
+# Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
+# evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
+# second step starts a new epoch's training loader too (2 steps per epoch).
+FAST = ["data.image_size=8", "data.train_samples=8", "data.eval_samples=4", "data.num_workers=1",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1000", "train.eval_every=1",
+        "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false"]
+STOP_SIGNALS = {int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                                 signal.SIGUSR2)}  # ints: a Signals member hashes by its name
+
+
+def torchrun(run_dir: Path, *overrides: str, max_restarts: int = 0) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
+            "-m", "train", "--config", "configs/default.yaml", *FAST, f"run.dir={run_dir}", *overrides]
+
+
+def run_or_say_hang(cmd: list[str], what: str, timeout: float) -> None:
+    """Run to the end; a hang (a rank waiting forever for its batch) fails the other rank's next collective
+    within dist.timeout_s, and the subprocess timeout catches anything else."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        raise AssertionError(f"{what}: HANG, still running after {timeout:.0f} s\n{tail!r}") from None
+    hung = "collective timed out" in proc.stderr
+    assert proc.returncode == 0, (f"{what}: {'HANG (a rank stopped answering)' if hung else 'failed'}, exit "
+                                  f"{proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def test_hundreds_of_loader_worker_starts_never_hang(tmp_path):
+    """~140 new loader workers per rank: evaluations while the persistent training loader runs, then
+    evaluations and new training loaders every epoch (persistent_workers=false, resumed from the first part).
+    With workers forked from the rank, runs like this hung after 80 to 250 of them (not every run: a hang
+    needs a fork at the moment another thread holds the lock)."""
+    run_dir = tmp_path / "run"
+    run_or_say_hang(torchrun(run_dir, "train.steps=60", "dist.timeout_s=60"),
+                    "60 evaluations, persistent training loader", timeout=150)
+    run_or_say_hang(torchrun(run_dir, "train.steps=110", "data.persistent_workers=false", "dist.timeout_s=60"),
+                    "50 more evaluations and 25 new training loaders", timeout=150)
+    assert summary(run_dir)["steps"] == 110
+    assert sum("eval_loss" in m for m in metrics(run_dir)) >= 110
+
+
+# ---------------------------------------------------------------- processes, as an operator sees them
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def _ignored(pid: int) -> set[int]:
+    """The signals a process ignores or blocks (a worker starting: torch's SIGTERM handler is installed
+    before the worker's init function ignores it again; the fork server blocks them for that moment)."""
+    status = _status(pid)
+    mask = int(status["SigIgn"], 16) | int(status["SigBlk"], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def _start_time(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError):
+        return 1 << 62
+
+
+def _running(pid: int) -> bool:
+    try:
+        return not _status(pid)["State"].startswith(("Z", "X"))
+    except OSError:
+        return False
+
+
+def _loader_processes(rank: int) -> tuple[int, list[int]] | None:
+    """(the fork server, its loader workers) of a rank, once both exist."""
+    servers = [p for p in _children(rank) if "multiprocessing.forkserver" in _cmdline(p)]
+    if len(servers) == 1 and (workers := _children(servers[0])):
+        return servers[0], workers
+    return None
+
+
+def _step(run_dir: Path) -> int:
+    try:
+        return max((m["step"] for m in metrics(run_dir)), default=0)
+    except OSError:
+        return 0
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_rank(tmp_path):
+    """Every stop signal that reaches a whole process group (a terminal's SIGHUP or SIGQUIT too) leaves the
+    loader workers and their fork server running: the rank takes it. A SIGKILL of a rank leaves nothing
+    of its loaders behind."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(torchrun(run_dir, "train.steps=100000", "dist.timeout_s=30"), cwd=ROOT,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen: set[int] = set()  # the ranks and everything they started
+    try:
+        ranks = wait_until(lambda: len(r := _children(proc.pid)) == 2 and r, 60, "the two ranks")
+        server, workers = wait_until(lambda: _loader_processes(ranks[1]), 60, "rank 1's loader workers")
+        of_rank = [{c for p in _children(rank) for c in [p, *_children(p)]} for rank in ranks]
+        seen.update(ranks, *of_rank)
+        assert int(signal.SIGTERM) not in _ignored(ranks[1]), "the rank itself must take the stop signals"
+        # The persistent training loader's worker: the server's oldest child (an evaluation's come and go).
+        trainer = min(workers, key=_start_time)
+        for pid in (server, trainer):
+            assert _ignored(pid) >= STOP_SIGNALS, (pid, _cmdline(pid)[:60], sorted(STOP_SIGNALS - _ignored(pid)))
+        for sig in STOP_SIGNALS:
+            for pid in (server, *workers):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass  # an evaluation's worker that has just ended
+        step = _step(run_dir)
+        wait_until(lambda: _step(run_dir) >= step + 3, 60, "three more steps")
+        assert proc.poll() is None and _running(server) and _running(trainer), \
+            f"a stop signal ended a loader process: {proc.poll()=}, {_running(server)=}, {trainer=} {workers=} " \
+            f"{[(w, _start_time(w)) for w in _children(server)]}"
+        # A SIGKILL of a rank: its fork server ends (its pipe closes), the workers within seconds of it
+        # (they watch their parent), and multiprocessing's resource tracker with the last of them.
+        os.kill(ranks[1], signal.SIGKILL)
+        _all_end(of_rank[1], "rank 1 was killed")
+        _kill(proc.pid, ranks[0])  # everything else too (torchrun may have stopped rank 0 already)
+        _all_end(of_rank[0], "rank 0 and torchrun were killed")
+    finally:
+        _kill(*_tree(proc.pid), *seen)
+        proc.communicate(timeout=60)
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and all its descendants, found before any of them is killed."""
+    found, todo = [], [pid]
+    while todo:
+        found.append(p := todo.pop())
+        todo += _children(p)
+    return found
+
+
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _all_end(pids: set[int], after: str) -> None:
+    deadline = time.time() + 30
+    while (left := [(p, _cmdline(p)[:90]) for p in pids if _running(p)]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"still running 30 s after {after}: {left}"
