@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import PY, ROOT, clean_env, metrics, summary
+from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
 
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
 # evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
@@ -189,3 +189,21 @@ def _all_end(pids: set[int], after: str) -> None:
     while (left := [(p, _cmdline(p)[:90]) for p in pids if _running(p)]) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, f"still running 30 s after {after}: {left}"
+
+
+def test_a_bug_in_the_training_step_ends_the_run_with_its_traceback_not_a_hang(tmp_path):
+    """An exception nobody explains (a user's model raising at step 2) with loader workers alive: the
+    traceback and exit 1, at once. Through the interpreter's exit, multiprocessing would join the workers,
+    which ignore its SIGTERM, for ever."""
+    env = after_import(tmp_path, "train.trainer", """
+real = module.train_step
+def train_step(parts, *args, **kwargs):
+    if parts.step == 2:
+        raise RuntimeError("boom: a bug in the user's model")
+    return real(parts, *args, **kwargs)
+module.train_step = train_step
+""")
+    proc = run_train(tmp_path / "run", "data.num_workers=1", "data.persistent_workers=true", expect=None, env=env,
+                     timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: boom: a bug in the user's model" in proc.stderr

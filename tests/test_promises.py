@@ -5,7 +5,6 @@ the world size changes. Real processes (python -m train, torchrun, the launcher)
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -13,35 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_losses
+from tests.conftest import PY, ROOT, after_import, clean_env, latest_state, metrics, run_train, summary, train_losses
 from tests.procs import environ, finish, kill_family, launch, wait_for, workers
-
-
-def after_import(tmp_path: Path, module: str, patch: str) -> dict:
-    """An environment whose PYTHONPATH holds a sitecustomize.py that, in every process of the launch, runs
-    `patch` (the body of `def _patch(module):`) right after `module` is first imported."""
-    folder = tmp_path / "site"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(
-        "import importlib.abc, importlib.machinery, sys\n"
-        "class _After(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        f"        if name != {module!r}:\n"
-        "            return None\n"
-        "        sys.meta_path.remove(self)\n"
-        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
-        "        run = spec.loader.exec_module\n"
-        "        def exec_module(mod):\n"
-        "            run(mod)\n"
-        "            _patch(mod)\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, _After())\n"
-        "def _patch(module):\n" + "".join(f"    {line}\n" for line in patch.strip().splitlines()))
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
-    return env
-
 
 # ---------------------------------------------------------------- the learning rate and AdamW
 

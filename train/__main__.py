@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from train import config
@@ -76,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except (Exception, KeyboardInterrupt):
+        if "train.distributed" not in sys.modules:
+            raise
+        # A failure nobody explained (a bug in a model or data set, say): its traceback, and exit 1 at once.
+        # Not through the interpreter's exit: multiprocessing's would join the loader workers, which ignore
+        # the SIGTERM it sends them (stop signals are the training process's), and wait forever.
+        traceback.print_exc()
+        code = 1
     if "train.distributed" in sys.modules:  # a process group existed: see exit_process() for why not sys.exit
         sys.modules["train.distributed"].exit_process(code)
     sys.exit(code)
