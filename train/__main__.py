@@ -33,13 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _mark_usage_error(run_dir: Path, error: str) -> None:
     """Under the launcher (train/launch.py), which would otherwise see torchrun restart the workers as after
-    a crash: tell it that this one is a usage error, so it stops torchrun (every rank writes the same
-    marker; the last rename wins). The launcher reads it by the id of its launch."""
+    a crash: tell it that this one is a usage error, so it stops torchrun (.launch/<its launch id>.USAGE_ERROR;
+    the ranks of one node write the same one, the last rename wins)."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / f".USAGE_ERROR.{os.getpid()}"
+        folder = run_dir / ".launch"
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{os.environ[LAUNCH_ID_VAR]}.USAGE_ERROR"
+        tmp = folder / f".{name}.{os.getpid()}"
         tmp.write_text(json.dumps({"time": time.time(), "error": error, "launch_id": os.environ[LAUNCH_ID_VAR]}))
-        os.replace(tmp, run_dir / "USAGE_ERROR")
+        os.replace(tmp, folder / name)
     except OSError:
         return  # the launcher then sees an ordinary failure
     # Wait for the launcher to stop torchrun (it polls twice a second): exiting now would let torchrun

@@ -178,6 +178,14 @@ def _inside(path: Path, folder: Path) -> bool:
         return False
 
 
+def write_launch_marker(run_dir: Path, name: str, marker: dict) -> None:
+    """<run_dir>/.launch/<launch id>.<name>: what the workers tell the launcher of one node (train/launch.py
+    reads it and removes it)."""
+    folder = run_dir / ".launch"
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / f"{marker['launch_id']}.{name}", lambda f: f.write(json.dumps(marker).encode()))
+
+
 # ---------------------------------------------------------------- state
 
 def _rng_state(device: torch.device) -> dict:
@@ -283,9 +291,14 @@ class Checkpointer:
         return self.stopping
 
     def _mark(self, name: str, step: int, **fields) -> None:
-        """A marker for the launcher (train/launch.py), which reads it by the id of its launch."""
+        """A marker in the run directory: `name` for the user (rank 0), and for each node's launcher
+        (train/launch.py) one under .launch/ named by the id of its launch (each node's launcher has its own):
+        every node's first local rank writes its own."""
         marker = {"step": step, "time": time.time(), "launch_id": launch_id()} | fields
-        _write_atomic(self.cfg.run_dir / name, lambda f: f.write(json.dumps(marker).encode()))
+        if self.rank == 0:
+            _write_atomic(self.cfg.run_dir / name, lambda f: f.write(json.dumps(marker).encode()))
+        if launch_id() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            write_launch_marker(self.cfg.run_dir, name, marker)
 
     def _mark_stopped(self, step: int) -> None:
         """Tell the launcher this exit was a stop after a checkpoint, not a crash (removed on resume)."""
@@ -293,9 +306,13 @@ class Checkpointer:
 
     def mark_started(self, step: int) -> None:
         """Tell the launcher training begins (every rank is resumed and handles stop signals): a stop from
-        now on must end with a checkpoint; one that came earlier lost nothing."""
-        if self.rank == 0:
-            self._mark("STARTED", step)
+        now on must end with a checkpoint; one that came earlier lost nothing. Every rank calls it."""
+        self._mark("STARTED", step)
+
+    def mark_finished(self, step: int) -> None:
+        """Tell the launcher the run is complete (summary.json written). Every rank calls it."""
+        if launch_id() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            write_launch_marker(self.cfg.run_dir, "FINISHED", {"step": step, "launch_id": launch_id()})
 
     # ---- saving
     def due(self, step: int) -> bool:
@@ -349,7 +366,8 @@ class Checkpointer:
             step = parts.step
         if self.rank == 0:
             self.wait()
-            self._mark_stopped(step)
+        dist.barrier()  # the checkpoint is complete: every node's marker says so
+        self._mark_stopped(step)
         dist.barrier()
         return step
 

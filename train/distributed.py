@@ -295,6 +295,15 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+def _raised_in_loader(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if "/torch/utils/data/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     """A one-line reading of a collective's failure, or None when it is not one. The whole chain of causes
     is read: torch words one failure differently depending on where it surfaced (a DataLoader worker
@@ -302,9 +311,9 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        chain.append(str(exc))
+        chain.append(exc)
         exc = exc.__cause__ or exc.__context__
-    text = "\n".join(chain)
+    text = "\n".join(map(str, chain))
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
@@ -317,6 +326,11 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
         return (f"a DataLoader worker {how}; often the out-of-memory killer): lower "
                 "data.num_workers or the batch size, or give the job more memory; --max-restarts lets torchrun "
                 "restart the workers from the last checkpoint")
+    if any(isinstance(e, (ConnectionError, EOFError)) and _raised_in_loader(e) for e in chain):
+        # A worker that dies while it hands a batch over (its tensors pass through a connection to it)
+        return ("a DataLoader worker died (its connection broke while it handed over a batch; often the "
+                "out-of-memory killer): lower data.num_workers or the batch size, or give the job more memory; "
+                "--max-restarts lets torchrun restart the workers from the last checkpoint")
     if re.search(r"Connection closed by peer|Connection reset|Broken pipe|NCCL error|DistNetworkError", text):
         return "a peer rank's connection broke: another rank died (see its log in the run directory)"
     return None

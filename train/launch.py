@@ -12,8 +12,8 @@ One signal handler, installed on main()'s first line, serves the launcher's whol
 (TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
 ("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
-training began (nothing was trained since the last checkpoint). Markers in the run directory (STARTED,
-STOPPED, USAGE_ERROR, summary.json) are read by this launch's id (TRAIN_LAUNCH_ID), never by clocks.
+training began (nothing was trained since the last checkpoint). The workers tell each node's launcher
+how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks.
 The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
@@ -279,14 +279,20 @@ def check_world(cfg: config.Config, cmd: list[str]) -> None:
 
 
 def _marker(run_dir: Path, name: str, launch_id: str) -> dict | None:
-    """A marker the workers wrote during this launch (train/__main__.py's USAGE_ERROR, checkpoint.py's STARTED
-    and STOPPED, log.py's summary.json): judged by this launch's id, which every node agrees on, not by
-    clocks, which may differ between hosts."""
+    """A marker the workers of this node wrote during this launch (.launch/<launch id>.<name>: USAGE_ERROR from
+    train/__main__.py; STARTED, STOPPED and FINISHED from checkpoint.py): found by this launch's id, never
+    by clocks, which may differ between hosts, and each node's launcher has its own."""
     try:
-        marker = json.loads((run_dir / name).read_text())
+        marker = json.loads((run_dir / ".launch" / f"{launch_id}.{name}").read_text())
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) and marker.get("launch_id") == launch_id else None
+    return marker if isinstance(marker, dict) else {}
+
+
+def _forget_markers(run_dir: Path, launch_id: str) -> None:
+    for path in (run_dir / ".launch").glob(f"{launch_id}.*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def port_status(endpoint: str, timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -541,7 +547,7 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
                 continue
             if held:
                 held.append(line)
-                if line.startswith(" "):
+                if line.startswith(" ") or not line.strip():  # (a traceback may hold an empty line)
                     continue
                 # torchrun's own SignalException is how it acknowledges a stop (sent to the launcher, or to
                 # torchrun itself); a rendezvous error is said in the launcher's last line: neither is news.
@@ -558,8 +564,8 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
     while (rc := _wait(proc, 0.5)) is None:
-        if not usage and not stop and (marker := _marker(cfg.run_dir, "USAGE_ERROR", launch_id)):
-            usage.append(marker["error"])
+        if not usage and not stop and (marker := _marker(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
+            usage.append(marker.get("error", "a usage error"))
             proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries
     if stop:
         # torchrun ends early when a third SIGTERM reaches it (SLURM signals every process of the step,
@@ -570,6 +576,16 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     pumping.join(timeout=5)
+    try:
+        return _verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+    finally:
+        _forget_markers(cfg.run_dir, launch_id)
+
+
+def _verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budget: int, usage: list[str],
+             tail: list[str], opts: dict[str, str | None], failure: str | None) -> int:
+    """The launcher's exit code for how torchrun ended, and its last line."""
+    stop = signals.received
     if rc == 0:
         return 0
     if usage:
@@ -577,15 +593,15 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
         return EXIT_USAGE
     if failure is not None and stop:
         raise _Stopped(signals.name)  # the doctor trains nothing
-    if stop and _marker(cfg.run_dir, "summary.json", launch_id):
+    if stop and _marker(cfg.run_dir, "FINISHED", launch_id) is not None:
         print("launch: the run finished before the stop took effect (exit 0)", file=sys.stderr)
         return 0
-    if stopped := _marker(cfg.run_dir, "STOPPED", launch_id):
+    if (stopped := _marker(cfg.run_dir, "STOPPED", launch_id)) is not None:
         name = signals.name if stop else stopped.get("signal") or "a peer rank signal"
         print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue "
               f"(exit {EXIT_REQUEUE})", file=sys.stderr)
         return EXIT_REQUEUE
-    if stop and not _marker(cfg.run_dir, "STARTED", launch_id):
+    if stop and _marker(cfg.run_dir, "STARTED", launch_id) is None:
         print(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
               f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})",
               file=sys.stderr)

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from train.config import Config, ConfigError, LogConfig, to_dict, wandb_tags
-from train.distributed import DistEnv, launch_id
+from train.distributed import DistEnv
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STRAGGLER_REPEAT = 10  # log steps between two straggler warnings
@@ -260,8 +260,7 @@ class RunLog:
         (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def summary(self, record: dict) -> None:
-        if self.is_main:  # launch_id: how the launcher tells this launch's summary from an earlier one's
-            record = record | {"launch_id": launch_id()}
+        if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def _close_bar(self) -> None:

@@ -14,6 +14,7 @@ checkpoint (resume: auto). A crash is not requeued. Prints the job id and where 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -101,7 +102,17 @@ class TrainJob:
                 raise RuntimeError("stopped after a checkpoint (exit 75) without submitit's requeue signal; "
                                    "submit the same command again to continue")
             return {"status": "stopped", "node": job.node}
+        # Tell global rank 0, whose launcher SLURM now stops (srun --kill-on-bad-exit) and whose checkpoint()
+        # must then not requeue: its exit 75 ("nothing lost here") does not undo this node's failure.
+        with contextlib.suppress(OSError):
+            self._failure_marker(job).write_text(f"{rc}\n")
         raise RuntimeError(f"the launcher on node {job.node} exited with code {rc}; see the lines above")
+
+    @staticmethod
+    def _failure_marker(job, node: int | str | None = None) -> Path:
+        """The file a node whose launcher failed leaves for this attempt of the job (SLURM_RESTART_COUNT)."""
+        attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+        return Path(job.paths.folder) / f"failed_{job.job_id}_{attempt}_node{job.node if node is None else node}"
 
     def checkpoint(self, *args, **kwargs):
         """submitit's hook on its timeout/preemption signal (global rank 0): the launcher got the same
@@ -114,6 +125,14 @@ class TrainJob:
             rc = self._proc.returncode
             print(f"train.submit: the launcher ended with {rc} after the stop signal", file=sys.stderr, flush=True)
             if rc not in (0, EXIT_REQUEUE):  # 0: finished just now; the requeued job sees it complete
+                return None
+            import submitit
+
+            job = submitit.JobEnvironment()
+            failed = sorted(Path(job.paths.folder).glob(self._failure_marker(job, "*").name))
+            if failed:  # the stop came from SLURM ending the step after another node failed
+                print(f"train.submit: not requeued: {failed[0].name.split('_')[-1]} failed in this attempt (see its "
+                      f"log)", file=sys.stderr, flush=True)
                 return None
         # submitit requeues next, and SLURM then stops this job with SIGTERM: that one needs no handling
         # (a second checkpoint and `scontrol requeue` of a job already pending would only fail).

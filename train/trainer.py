@@ -269,9 +269,10 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log.info(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f}, "
                  f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_s']:.1f} s")
         log.finish(summary)  # summary.json, the tracker's summary, report.png and report.txt
+        ckpt.mark_finished(summary["steps"])
         return 0
-    except (RuntimeError, torch.distributed.DistError) as e:
-        reason = distributed.describe_failure(e, cfg.dist.timeout_s)
+    except Exception as e:  # a usage error (ConfigError) goes on to the entry point
+        reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None:
             raise
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
