@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
+from tests.procs import children, descendants, wait_for
 
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
 # evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
@@ -58,16 +59,6 @@ def test_hundreds_of_loader_worker_starts_never_hang(tmp_path):
 
 # ---------------------------------------------------------------- processes, as an operator sees them
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -104,8 +95,8 @@ def _running(pid: int) -> bool:
 
 def _loader_processes(rank: int) -> tuple[int, list[int]] | None:
     """(the fork server, its loader workers) of a rank, once both exist."""
-    servers = [p for p in _children(rank) if "multiprocessing.forkserver" in _cmdline(p)]
-    if len(servers) == 1 and (workers := _children(servers[0])):
+    servers = [p for p in children(rank) if "multiprocessing.forkserver" in _cmdline(p)]
+    if len(servers) == 1 and (workers := children(servers[0])):
         return servers[0], workers
     return None
 
@@ -115,15 +106,6 @@ def _step(run_dir: Path) -> int:
         return max((m["step"] for m in metrics(run_dir)), default=0)
     except OSError:
         return 0
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_rank(tmp_path):
@@ -136,9 +118,9 @@ def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_
                             start_new_session=True)
     seen: set[int] = set()  # the ranks and everything they started
     try:
-        ranks = wait_until(lambda: len(r := _children(proc.pid)) == 2 and r, 60, "the two ranks")
-        server, workers = wait_until(lambda: _loader_processes(ranks[1]), 60, "rank 1's loader workers")
-        of_rank = [{c for p in _children(rank) for c in [p, *_children(p)]} for rank in ranks]
+        ranks = wait_for(lambda: len(r := children(proc.pid)) == 2 and r, 60, "the two ranks")
+        server, workers = wait_for(lambda: _loader_processes(ranks[1]), 60, "rank 1's loader workers")
+        of_rank = [{c for p in children(rank) for c in [p, *children(p)]} for rank in ranks]
         seen.update(ranks, *of_rank)
         assert int(signal.SIGTERM) not in _ignored(ranks[1]), "the rank itself must take the stop signals"
         # The persistent training loader's worker: the server's oldest child (an evaluation's come and go).
@@ -152,10 +134,10 @@ def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_
                 except ProcessLookupError:
                     pass  # an evaluation's worker that has just ended
         step = _step(run_dir)
-        wait_until(lambda: _step(run_dir) >= step + 3, 60, "three more steps")
+        wait_for(lambda: _step(run_dir) >= step + 3, 60, "three more steps")
         assert proc.poll() is None and _running(server) and _running(trainer), \
             f"a stop signal ended a loader process: {proc.poll()=}, {_running(server)=}, {trainer=} {workers=} " \
-            f"{[(w, _start_time(w)) for w in _children(server)]}"
+            f"{[(w, _start_time(w)) for w in children(server)]}"
         # A SIGKILL of a rank: its fork server ends (its pipe closes), the workers within seconds of it
         # (they watch their parent), and multiprocessing's resource tracker with the last of them.
         os.kill(ranks[1], signal.SIGKILL)
@@ -163,17 +145,8 @@ def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_
         _kill(proc.pid, ranks[0])  # everything else too (torchrun may have stopped rank 0 already)
         _all_end(of_rank[0], "rank 0 and torchrun were killed")
     finally:
-        _kill(*_tree(proc.pid), *seen)
+        _kill(proc.pid, *descendants(proc.pid), *seen)
         proc.communicate(timeout=60)
-
-
-def _tree(pid: int) -> list[int]:
-    """pid and all its descendants, found before any of them is killed."""
-    found, todo = [], [pid]
-    while todo:
-        found.append(p := todo.pop())
-        todo += _children(p)
-    return found
 
 
 def _kill(*pids: int) -> None:
