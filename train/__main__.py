@@ -17,9 +17,9 @@ from pathlib import Path
 
 from train import config
 from train.config import ConfigError
+from train.launch import LAUNCH_ID_VAR  # the id the launcher gives its workers (no torch import)
 
 EXIT_USAGE = 2
-LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # set by train/launch.py for its workers
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
 

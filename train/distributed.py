@@ -288,7 +288,9 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 def launch_id() -> str | None:
     """The id train/launch.py gives each of its launches (None under a bare torchrun, srun or python)."""
-    return os.environ.get("TRAIN_LAUNCH_ID") or None
+    from train.launch import LAUNCH_ID_VAR
+
+    return os.environ.get(LAUNCH_ID_VAR) or None
 
 
 def hostname() -> str:
