@@ -22,18 +22,19 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from train import config, data, model, optim  # noqa: E402
+from train import config, data, optim  # noqa: E402
 
 out, overrides = Path(sys.argv[1]), sys.argv[2:]
 cfg = config.load("configs/default.yaml", overrides)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(cfg.seed)
-train_set, _, classes = data.datasets(cfg)
+task = cfg.task_class(cfg.task, cfg.seed)
+train_set = data.SeededSamples(task.datasets()[0], cfg.seed)  # the trainer's per-sample seeding
 sampler = data.ShardSampler(train_set, world, rank, cfg.seed)
 loader = DataLoader(train_set, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True,
                     num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
-net = model.build(cfg.model, classes, cfg.data.image_size)
+net = task.model()
 ddp = DDP(net, bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
           static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
 opt = optim.build(cfg.optim, net)

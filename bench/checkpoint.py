@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _util import write_json  # noqa: E402
 
-from train import checkpoint, config, model, optim  # noqa: E402
+from train import checkpoint, config, optim  # noqa: E402
 
 
 class _Quiet:
@@ -44,8 +44,9 @@ class _Quiet:
 
 
 def make_parts(name: str):
-    cfg = config.load(None, [f"model.name={name}", "checkpoint.keep=1000"])
-    net = model.build(cfg.model, 1000, 224)
+    cfg = config.load(None, [f"task.model={name}", "task.num_classes=1000", "task.image_size=224",
+                             "checkpoint.keep=1000"])
+    net = cfg.task_class(cfg.task, cfg.seed).model()
     opt = optim.build(cfg.optim, net)
     net(torch.randn(2, 3, 64, 64)).sum().backward()
     opt.step()  # momentum buffers exist, as in a real checkpoint

@@ -23,15 +23,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _util import write_json  # noqa: E402
 
-from train import config, model  # noqa: E402
+from train.tasks.image import ImageClassification  # noqa: E402
 
 A100_RESNET50_AMP = 2470.0  # images/s, NVIDIA DeepLearningExamples, 1x A100 80GB, AMP
 
 
 def images_per_s(name: str, size: int, batch: int, precision: str, compile_: bool, steps: int,
                  device: torch.device, warmup: int = 3) -> float:
-    cfg = config.ModelConfig(name=name)
-    net = model.build(cfg, 1000 if size > 64 else 10, size).to(device, memory_format=torch.channels_last)
+    cfg = ImageClassification.Config(model=name, image_size=size, num_classes=1000 if size > 64 else 10)
+    net = ImageClassification(cfg, 0).model().to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     step_model = torch.compile(net) if compile_ else net
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)

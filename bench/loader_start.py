@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from train import config, data  # noqa: E402
 
-TINY = ["data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "train.global_batch_size=16",
+TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "train.global_batch_size=16",
         "train.micro_batch_size=8", "train.log_every=1", "train.steps=6", "checkpoint.every=0",
         "optim.warmup_steps=2", *SMOKE_QUIET]
 KINDS = ("fork", "forkserver")
@@ -63,7 +63,7 @@ def show(label: str, figures: dict, out: dict) -> None:
 
 def loader_starts(repeats: int, out: dict) -> None:
     cfg = config.load("configs/default.yaml", TINY)
-    train_set, eval_set, _ = data.datasets(cfg)
+    train_set, eval_set = (data.SeededSamples(d, cfg.seed) for d in cfg.task_class(cfg.task, cfg.seed).datasets())
     ctx = contexts()
     # A rank's threads: a persistent 1-worker loader kept running (from the fork server: this process may
     # fork too, and must not hang itself).

@@ -56,7 +56,7 @@ def main() -> None:
         steps, size, per_class, first, quiet, args.rounds = 6, 16, 8, 2, SMOKE_QUIET, 1
     micro, workers, lr = 32 if not args.smoke else 8, 1, 0.03
     common = [f"train.steps={steps}", "train.eval_every=0", "checkpoint.every=0", f"train.log_every={first}",
-              f"data.image_size={size}", f"data.num_workers={workers}", f"optim.lr={lr}",
+              f"task.image_size={size}", f"data.num_workers={workers}", f"optim.lr={lr}",
               f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}", *quiet]
     ours_t, user_t, ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as d:
@@ -69,7 +69,7 @@ def main() -> None:
                                  f"--micro-batch={micro}", f"--image-size={size}", f"--workers={workers}",
                                  f"--lr={lr}"),
                 "train": torchrun(2, "-m", "train", "--config", "configs/default.yaml", *common,
-                                  "data.name=imagefolder", f"data.path={folder}", f"run.dir={ours_dir}"),
+                                  "task.data=imagefolder", f"task.path={folder}", f"run.dir={ours_dir}"),
             }
             for name in (["user", "train"] if r % 2 == 0 else ["train", "user"]):
                 run(commands[name])
@@ -78,7 +78,7 @@ def main() -> None:
             ratios.append(ours_t[-1] / user_t[-1])
             print(f"round {r + 1}: user loop {user_t[-1]:.4f} s/step, python -m train {ours_t[-1]:.4f} s/step, "
                   f"ratio {ratios[-1]:.3f}", flush=True)
-        equal = bitwise_equal(d / "bare", d / "ours0", [*common, "data.name=imagefolder", f"data.path={folder}"])
+        equal = bitwise_equal(d / "bare", d / "ours0", [*common, "task.data=imagefolder", f"task.path={folder}"])
     s = spread(ratios)
     met = GOAL - s["median"] > s["max"] - s["min"]
     print(f"python -m train / the user's DDP loop (2 gloo processes, CPU, {args.rounds} rounds): step-time ratio "

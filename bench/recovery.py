@@ -30,7 +30,7 @@ from pathlib import Path
 
 from _util import ROOT, SMOKE_QUIET, write_json
 
-TINY = ["data.image_size=32", "data.train_samples=1024", "data.eval_samples=64", "data.num_workers=0",
+TINY = ["task.image_size=32", "task.train_samples=1024", "task.eval_samples=64", "data.num_workers=0",
         "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1", "train.eval_every=0",
         "train.steps=40", "checkpoint.every=5", "dist.timeout_s=30"]
 
@@ -65,10 +65,10 @@ def glog_time(line: str) -> float:
 
 
 def once(run_dir: Path, nproc: int, model: str, smoke: bool, extra: list[str]) -> dict[str, float]:
-    sizes = ["data.image_size=16", "data.train_samples=256", "train.global_batch_size=16",
+    sizes = ["task.image_size=16", "task.train_samples=256", "train.global_batch_size=16",
              "train.micro_batch_size=8", "train.steps=20"] if smoke else []
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
-           "--config", "configs/default.yaml", *TINY, *sizes, *extra, f"model.name={model}", f"run.dir={run_dir}"]
+           "--config", "configs/default.yaml", *TINY, *sizes, *extra, f"task.model={model}", f"run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"

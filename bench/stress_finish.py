@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import PY, ROOT, env  # noqa: E402
 
-TINY = ["data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=1",
+TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "data.num_workers=1",
         "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.steps=4",
         "optim.warmup_steps=2", "log.wandb.mode=offline", "log.report=true", "profile.enabled=true",
         "profile.wait=1", "profile.warmup=1", "profile.active=1"]

@@ -34,7 +34,7 @@ def main() -> None:
     per_class = 64
     if args.smoke:
         common = ["train.steps=4", "train.eval_every=0", "checkpoint.every=0", "train.log_every=2",
-                  "data.image_size=16", "data.train_samples=256", "data.eval_samples=32",
+                  "task.image_size=16", "task.train_samples=256", "task.eval_samples=32",
                   *SMOKE_QUIET]
         per_class = 8
     figures = {}
@@ -48,7 +48,7 @@ def main() -> None:
             figures[f"data_wait_share_builtin_{nproc}proc"] = window_median(out, "data_wait_share")
         folder = imagefolder(d / "imgs", per_class)
         out = d / "folder"
-        run(torchrun(2, "-m", "train", *common, "data.name=imagefolder", f"data.path={folder}", f"run.dir={out}",
+        run(torchrun(2, "-m", "train", *common, "task.data=imagefolder", f"task.path={folder}", f"run.dir={out}",
                      "train.global_batch_size=32", "train.micro_batch_size=16"))
         figures["data_wait_share_imagefolder_2proc"] = window_median(out, "data_wait_share")
         figures["samples_per_s_imagefolder_2proc"] = window_median(out, "samples_per_s")

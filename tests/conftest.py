@@ -18,7 +18,7 @@ PY = sys.executable
 # The default config shrunk to a few CPU seconds: 16x16 images, 256 samples (16 steps per epoch).
 # W&B and the end-of-run report are off (3-4 s of every launch); the tests about them turn them on.
 TINY = [
-    "data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0",
+    "task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "data.num_workers=0",
     "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
     "train.steps=6", "checkpoint.every=0", "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false",
 ]

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from train import model  # noqa: E402
+from train.tasks import image  # noqa: E402
 
-_build = model.build
+_build = image.ImageClassification.model
 
 
 def _draw(module, args):
@@ -28,11 +28,11 @@ def _draw(module, args):
     return (args[0] * (1 + 1e-2 * noise),)
 
 
-def build(*args, **kwargs):
-    net = _build(*args, **kwargs)
+def build(self):
+    net = _build(self)
     net.register_forward_pre_hook(_draw)
     return net
 
 
-model.build = build
+image.ImageClassification.model = build
 runpy.run_module("train", run_name="__main__", alter_sys=True)

@@ -10,12 +10,13 @@ import pytest
 from tests.conftest import PY, ROOT, clean_env
 from train import config
 from train.config import ConfigError
+from train.tasks.image import RESNETS
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path):
     cfg = config.load(str(path), [])
-    assert cfg.train.steps > 0 and cfg.model.name in config.RESNETS
+    assert cfg.train.steps > 0 and cfg.task.model in RESNETS
 
 
 def test_overrides_are_typed():
@@ -50,10 +51,10 @@ def test_config_round_trips_through_dict():
     (["train.steps=1.5"], "train.steps: expected int, got float"),
     (["optim.lr=-0.1"], "optim.lr must be > 0"),
     (["train.precision=fp8"], "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
-    (["model.name=resnet19"], "did you mean 'resnet18'"),
+    (["task.model=resnet19"], "did you mean 'resnet18'"),
     (["train.global_batch_size=48", "train.micro_batch_size=32"], "must be a multiple of train.micro_batch_size"),
     (["checkpoint.keep=1"], "checkpoint.keep must be >= 2"),
-    (["data.name=cifar10"], "data.path is required"),
+    (["task.data=cifar10"], "task.path is required"),
     (["train.steps"], "is not of the form key.sub=value"),
 ])
 def test_bad_value_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):

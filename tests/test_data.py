@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from tests.conftest import run_train, summary
 from train import config, data
+from train.tasks import image
 
 
 def write_cifar(root, per_batch: int = 40):
@@ -19,7 +20,7 @@ def write_cifar(root, per_batch: int = 40):
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    for name in [*data.CIFAR_TRAIN, data.CIFAR_TEST]:
+    for name in [*image.CIFAR_TRAIN, image.CIFAR_TEST]:
         labels = [int(i % 10) for i in range(per_batch)]
         images = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
         images[:, :1024] = np.array(labels, dtype=np.uint8)[:, None] * 25  # red channel encodes the class
@@ -42,20 +43,22 @@ def write_imagefolder(root, classes=("cat", "dog", "eel"), per_class: int = 6):
 
 
 def test_builtin_data_is_deterministic_and_balanced():
-    a = data.builtin(500, 10, 16, seed=3, split="train")
-    b = data.builtin(500, 10, 16, seed=3, split="train")
-    c = data.builtin(500, 10, 16, seed=4, split="train")
+    a = image.builtin(500, 10, 16, seed=3, split="train")
+    b = image.builtin(500, 10, 16, seed=3, split="train")
+    c = image.builtin(500, 10, 16, seed=4, split="train")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
     counts = torch.bincount(a[1], minlength=10)
     assert counts.min() > 25  # every class present
-    assert not torch.equal(data.builtin(500, 10, 16, 3, "eval")[0], a[0])  # eval is held out
+    assert not torch.equal(image.builtin(500, 10, 16, 3, "eval")[0], a[0])  # eval is held out
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only():
-    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.train_samples=64"])
-    train_set, _, _ = data.datasets(cfg)
+    cfg = config.load("configs/default.yaml", ["task.image_size=16", "task.train_samples=64"])
+    train_set = data.SeededSamples(cfg.task_class(cfg.task, cfg.seed).datasets()[0], cfg.seed)
     x1, _ = train_set[(5, 0)]
+    state = torch.get_rng_state()
+    assert torch.equal(x1, train_set[(5, 0)][0]) and torch.equal(state, torch.get_rng_state())  # no draw leaks
     assert torch.equal(x1, train_set[(5, 0)][0])  # same key, same pixels
     assert not all(torch.equal(train_set[(i, 0)][0], train_set[(i, 1)][0]) for i in range(8))  # epochs differ
 
@@ -85,17 +88,17 @@ def test_shard_sampler_skips_what_was_consumed():
 
 def test_trains_on_cifar10_python_batches(tmp_path):
     folder = write_cifar(tmp_path / "data")
-    run_train(tmp_path / "run", "data.name=cifar10", f"data.path={folder}", "data.image_size=32", nproc=2)
+    run_train(tmp_path / "run", "task.data=cifar10", f"task.path={folder}", "task.image_size=32", nproc=2)
     s = summary(tmp_path / "run")
     assert s["steps"] == 6 and s["world_size"] == 2
     # the parent folder is accepted too
-    run_train(tmp_path / "run2", "data.name=cifar10", f"data.path={tmp_path / 'data'}", "data.image_size=32",
+    run_train(tmp_path / "run2", "task.data=cifar10", f"task.path={tmp_path / 'data'}", "task.image_size=32",
               "train.steps=1")
 
 
 def test_trains_on_an_imagefolder(tmp_path):
     root = write_imagefolder(tmp_path / "imgs")
-    run_train(tmp_path / "run", "data.name=imagefolder", f"data.path={root}", "train.global_batch_size=8",
+    run_train(tmp_path / "run", "task.data=imagefolder", f"task.path={root}", "train.global_batch_size=8",
               "train.micro_batch_size=4", "data.num_workers=1", nproc=2)
     assert summary(tmp_path / "run")["steps"] == 6
 
@@ -109,7 +112,7 @@ def test_bad_cifar_path_is_one_line_naming_the_path(tmp_path, case):
             (folder / "data_batch_3").unlink()
         else:
             (folder / "data_batch_2").write_bytes(b"not a pickle")
-    proc = run_train(tmp_path / "run", "data.name=cifar10", f"data.path={folder}", expect=2)
+    proc = run_train(tmp_path / "run", "task.data=cifar10", f"task.path={folder}", expect=2)
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert str(folder) in err
@@ -122,5 +125,5 @@ def test_imagefolder_without_val_is_one_line(tmp_path):
     for p in sorted((root / "val").rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     (root / "val").rmdir()
-    proc = run_train(tmp_path / "run", "data.name=imagefolder", f"data.path={root}", expect=2)
+    proc = run_train(tmp_path / "run", "task.data=imagefolder", f"task.path={root}", expect=2)
     assert f"{root}/val does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -32,8 +32,8 @@ def rows(out: str) -> dict[str, list[str]]:
 
 
 def test_doctor_then_training_through_the_launcher(tmp_path):
-    proc = doctor("--config", "configs/default.yaml", f"run.dir={tmp_path}", "data.image_size=16",
-                  "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0", "train.steps=2",
+    proc = doctor("--config", "configs/default.yaml", f"run.dir={tmp_path}", "task.image_size=16",
+                  "task.train_samples=256", "task.eval_samples=64", "data.num_workers=0", "train.steps=2",
                   "train.global_batch_size=16", "train.micro_batch_size=8")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     table = rows(proc.stdout)
@@ -120,7 +120,7 @@ def test_a_rank_whose_all_reduce_is_wrong_fails_with_its_rank_and_host(tmp_path)
         "    dist.all_reduce = all_reduce\n")
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fault), env.get("PYTHONPATH")) if p)
-    tiny = ["data.image_size=16", "data.train_samples=256", "data.eval_samples=64", "data.num_workers=0",
+    tiny = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "data.num_workers=0",
             "train.steps=2", "train.global_batch_size=16", "train.micro_batch_size=8"]
     proc = subprocess.run([PY, "-m", "train.launch", "--doctor", "--nproc-per-node=2", "--max-restarts=2", "--",
                            f"run.dir={tmp_path}/run", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -115,10 +115,10 @@ def test_a_marker_of_an_earlier_launch_is_never_taken_for_this_one(tmp_path, fin
 
 def _usage_cases(tmp_path, finished_run) -> dict:
     return {
-        "data path": (["data.name=cifar10", f"data.path={tmp_path / 'nowhere'}"], {}, "does not exist"),
+        "data path": (["task.data=cifar10", f"task.path={tmp_path / 'nowhere'}"], {}, "does not exist"),
         "CUDA unusable": ([], {"CUDA_VISIBLE_DEVICES": "0"}, "GPUs were allocated (CUDA_VISIBLE_DEVICES=0)"),
-        "another model": (["model.name=resnet34", f"resume={finished_run / 'checkpoints'}"], {},
-                          "does not match model.name=resnet34"),
+        "another model": (["task.model=resnet34", f"resume={finished_run / 'checkpoints'}"], {},
+                          "does not match task.model=resnet34"),
         "W&B without a key": (["log.wandb.mode=online"], {"HOME": str(tmp_path), "WANDB_API_KEY": ""}, "API key"),
         "resume=never over a run": (["resume=never"], {}, "already holds a run"),
         "no loadable checkpoint": ([f"resume={tmp_path / 'broken'}"], {}, "no loadable checkpoint"),

@@ -18,7 +18,7 @@ from tests.procs import children, descendants, wait_for
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
 # evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
 # second step starts a new epoch's training loader too (2 steps per epoch).
-FAST = ["data.image_size=8", "data.train_samples=8", "data.eval_samples=4", "data.num_workers=1",
+FAST = ["task.image_size=8", "task.train_samples=8", "task.eval_samples=4", "data.num_workers=1",
         "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1000", "train.eval_every=1",
         "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false"]
 STOP_SIGNALS = {int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,

@@ -214,7 +214,7 @@ module.datasets = datasets
     run = tmp_path / "run"
     for world, steps in SEGMENTS:
         run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
-                  f"data.train_samples={SAMPLES}", f"train.steps={steps}", nproc=world, env=env)
+                  f"task.train_samples={SAMPLES}", f"train.steps={steps}", nproc=world, env=env)
     by_epoch: dict[int, list[int]] = {}
     processes = list(reads_dir.iterdir())
     ranks = set()

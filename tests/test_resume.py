@@ -95,7 +95,7 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
     """Save every step of a ResNet-50 (a ~200 MB checkpoint) and SIGKILL while a temporary file exists."""
     ckpts = tmp_path / "checkpoints"
     for _attempt in range(5):
-        proc = start(tmp_path, "model.name=resnet50", "checkpoint.every=1", "train.steps=200")
+        proc = start(tmp_path, "task.model=resnet50", "checkpoint.every=1", "train.steps=200")
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
             if (ckpts / "latest").exists() and any(".tmp" in p.name for p in ckpts.iterdir()):
@@ -112,7 +112,7 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
     name = (ckpts / "latest").read_text().strip()
     state = checkpoint.read_checkpoint(ckpts / name)  # verifies the CRC, loads with weights_only
     assert state["step"] >= 1
-    resumed = run_train(tmp_path, "model.name=resnet50", "checkpoint.every=0", f"train.steps={state['step'] + 1}")
+    resumed = run_train(tmp_path, "task.model=resnet50", "checkpoint.every=0", f"train.steps={state['step'] + 1}")
     assert f"resumed from {ckpts / name}" in resumed.stdout
     assert not any(".tmp" in p.name for p in ckpts.iterdir())  # the dead save's leftovers are gone
 
@@ -177,8 +177,8 @@ def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never
 def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path, finished_run):
     copy_run(finished_run, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
-    proc = run_train(tmp_path, "model.name=resnet34", "train.steps=9", expect=2)
-    assert "does not match model.name=resnet34" in proc.stderr and "missing, first layer1.2" in proc.stderr
+    proc = run_train(tmp_path, "task.model=resnet34", "train.steps=9", expect=2)
+    assert "does not match task.model=resnet34" in proc.stderr and "missing, first layer1.2" in proc.stderr
     assert "Traceback" not in proc.stderr
     after = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
     assert before == after
@@ -343,7 +343,7 @@ def test_a_resume_after_its_steps_evaluation_was_logged_does_not_evaluate_it_aga
     """A checkpoint is saved before its step's evaluation. Killed after that evaluation was logged (or
     stopped in the step after an asynchronous save, which ends with that save), the resumed run does not
     evaluate and log that step again: metrics.jsonl holds each evaluation once."""
-    args = ["train.steps=6", "checkpoint.every=2", "train.eval_every=2", "data.eval_samples=16"]
+    args = ["train.steps=6", "checkpoint.every=2", "train.eval_every=2", "task.eval_samples=16"]
     proc = start(tmp_path, *args)
     deadline = time.time() + 120
     while not any("eval_loss" in m for m in (metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else [])):

@@ -31,7 +31,7 @@ from tests.conftest import (
 from tests.procs import children, finish, kill_family, launch, logged_steps, wait_for, workers
 
 SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]  # stops land inside log windows of 5 steps
-SLOW_EVAL = ["data.image_size=32", "data.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
+SLOW_EVAL = ["task.image_size=32", "task.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
 
 
 def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
@@ -131,7 +131,7 @@ def test_a_stop_during_a_slow_evaluation_does_not_wait_for_it(tmp_path):
     assert latest_state(tmp_path)["step"] == 2 and eval_steps(tmp_path) == []
     assert "stopped on SIGTERM at step 2, checkpoint saved (its evaluation runs after the resume)" in out
     # The relaunch evaluates step 2 before training on (a smaller evaluation set keeps this test short).
-    rc, out, err = finish(launch(tmp_path, "data.image_size=32", "train.steps=4", "train.eval_every=2"))
+    rc, out, err = finish(launch(tmp_path, "task.image_size=32", "train.steps=4", "train.eval_every=2"))
     assert rc == 0, err[-3000:]
     assert eval_steps(tmp_path) == [2, 4] and logged_steps(tmp_path) == [1, 2, 3, 4]
 
@@ -147,13 +147,13 @@ def test_a_stop_at_the_last_step_is_finished_by_the_relaunch(tmp_path):
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     assert latest_state(tmp_path)["step"] == 3 and not (tmp_path / "summary.json").exists()
-    rc, out, err = finish(launch(tmp_path, "data.image_size=32", *OBSERVED, "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, "task.image_size=32", *OBSERVED, "train.steps=3"))
     assert rc == 0, err[-3000:]
     assert "already complete" not in out and "done: 3 steps" in out
     s = summary(tmp_path)
     assert s["steps"] == 3 and s["wandb_run_id"] and (tmp_path / "report.png").stat().st_size > 0
     assert eval_steps(tmp_path) == [3] and logged_steps(tmp_path) == [1, 2, 3]
-    rc, out, err = finish(launch(tmp_path, "data.image_size=32", "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, "task.image_size=32", "train.steps=3"))
     assert rc == 0 and "already complete at step 3" in out
 
 
@@ -221,7 +221,7 @@ def test_more_sigterms_to_torchrun_do_not_lose_the_save(tmp_path):
 
 @pytest.mark.parametrize("first", ["fp32", "bf16"])
 def test_resuming_with_fp16_starts_a_fresh_loss_scaler(tmp_path, first):
-    small = ["data.image_size=8", "data.eval_samples=16"]  # half-precision convolutions are slow on CPU
+    small = ["task.image_size=8", "task.eval_samples=16"]  # half-precision convolutions are slow on CPU
     run_train(tmp_path, *small, f"train.precision={first}", "train.steps=1")
     proc = run_train(tmp_path, *small, "train.precision=fp16", "train.steps=2")
     text = proc.stdout + proc.stderr

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.conftest import latest_state, run_train, summary
-from train import config, data, model
+from train import config, data
 
 # No batch statistics (a batch split over ranks is then the same batch), and a gentle lr so that
 # float rounding differences are not amplified by a chaotic start.
-GROUPNORM = ["model.norm=group", "optim.lr=0.005"]
+GROUPNORM = ["task.norm=group", "optim.lr=0.005"]
 
 
 def _close(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0) -> None:
@@ -23,9 +23,9 @@ def _close(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0) -> None:
     after 6 steps), while a wrong average (a sum, a rank's own gradient, a missed micro-batch) moves the
     weights differently by tens of percent. Tensors of a GPU run's checkpoint load onto the GPU: they are
     compared on the CPU, where the initial weights are made."""
-    cfg = config.load("configs/default.yaml", ["data.image_size=16", *GROUPNORM])
+    cfg = config.load("configs/default.yaml", ["task.image_size=16", *GROUPNORM])
     torch.manual_seed(cfg.seed)  # as the trainer does before it builds the model
-    init = model.build(cfg.model, cfg.data.num_classes, cfg.data.image_size).state_dict()
+    init = cfg.task_class(cfg.task, cfg.seed).model().state_dict()
     assert a.keys() == b.keys() == init.keys()
     for k in a:
         if a[k].is_floating_point():
@@ -90,7 +90,7 @@ def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(t
     are clipped only after the loss scaler divided them back (fp16: clipping the scaled gradients to 1.0
     would shrink every step by the scale, 65536)."""
     traced = ["profile.enabled=true", "profile.wait=1", "profile.warmup=0", "profile.active=1"]
-    tiny = ["data.image_size=8", "train.steps=3"]  # half-precision convolutions are slow on CPU
+    tiny = ["task.image_size=8", "train.steps=3"]  # half-precision convolutions are slow on CPU
     run_train(tmp_path, f"train.precision={precision}", "train.grad_clip=1.0", *traced, *tiny, nproc=nproc)
     s = summary(tmp_path)
     assert s["precision"] == precision and math.isfinite(s["train_loss"]) and math.isfinite(s["eval_loss"])
@@ -105,10 +105,11 @@ def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(t
 
 def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
     """The reported accuracy is that of the whole eval set, recomputed here from the final weights."""
-    run_train(tmp_path, *GROUPNORM, "data.eval_samples=201", "train.steps=12", "optim.lr=0.05", nproc=2)
-    cfg = config.load("configs/default.yaml", ["data.image_size=16", "data.eval_samples=201", *GROUPNORM])
-    _, eval_set, classes = data.datasets(cfg)
-    net = model.build(cfg.model, classes, cfg.data.image_size)
+    run_train(tmp_path, *GROUPNORM, "task.eval_samples=201", "train.steps=12", "optim.lr=0.05", nproc=2)
+    cfg = config.load("configs/default.yaml", ["task.image_size=16", "task.eval_samples=201", *GROUPNORM])
+    task = cfg.task_class(cfg.task, cfg.seed)
+    eval_set = data.SeededSamples(task.datasets()[1], cfg.seed)
+    net = task.model()
     net.load_state_dict(latest_state(tmp_path)["model"])
     net.eval()
     correct = []
@@ -135,12 +136,12 @@ def test_run_directory_holds_what_a_user_needs(finished_two_ranks):
     info = (run / "run_info.json").read_text()
     assert '"torch"' in info and '"git_commit"' in info and '"hardware"' in info
     loaded = config.load(str(run / "config.yaml"), [])
-    assert loaded.train.steps == 6 and loaded.data.image_size == 16  # the resolved config, reloadable
+    assert loaded.train.steps == 6 and loaded.task.image_size == 16  # the resolved config, reloadable
 
 
 def test_sync_batchnorm_on_cpu_is_a_usage_error(tmp_path):
-    proc = run_train(tmp_path / "run", "model.sync_bn=true", expect=2)
-    assert "model.sync_bn needs CUDA GPUs" in proc.stderr and "model.norm=group" in proc.stderr
+    proc = run_train(tmp_path / "run", "dist.sync_bn=true", expect=2)
+    assert "dist.sync_bn needs CUDA GPUs" in proc.stderr and "task.norm=group" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -148,7 +149,7 @@ def test_sync_batchnorm_on_cpu_is_a_usage_error(tmp_path):
 def test_gpu_nccl_fp16_channels_last_compile_sync_bn(tmp_path):
     n = torch.cuda.device_count()
     run_train(tmp_path, "train.precision=fp16", "train.channels_last=true", "train.compile=true",
-              "model.sync_bn=true", f"train.global_batch_size={8 * n}", nproc=n, timeout=900)
+              "dist.sync_bn=true", f"train.global_batch_size={8 * n}", nproc=n, timeout=900)
     s = summary(tmp_path)
     assert s["world_size"] == n and math.isfinite(s["train_loss"]) and s["ranks_in_sync"]
     assert "nccl" in json.loads((tmp_path / "run_info.json").read_text())["versions"]

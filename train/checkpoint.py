@@ -531,7 +531,8 @@ class Checkpointer:
 
     def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
         if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
-            raise ConfigError(f"checkpoint {path} does not match model.name={self.cfg.model.name}: {problem}")
+            raise ConfigError(f"checkpoint {path} does not match the model of task {self.cfg.task_name} "
+                              f"(task.* keys): {problem}")
         parts.raw.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler.is_enabled() and not state["scaler"]:

@@ -16,12 +16,6 @@ from typing import Any, Literal
 
 import yaml
 
-RESNETS = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
-    "wide_resnet50_2", "wide_resnet101_2",
-)
-
 
 class ConfigError(ValueError):
     """A usage error in the configuration: reported in one line, exit code 2."""
@@ -35,25 +29,12 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["builtin", "cifar10", "imagefolder"] = "builtin"
-    path: str = ""  # cifar10: the cifar-10-batches-py folder; imagefolder: a folder with train/ and val/
-    image_size: int = 32
-    num_classes: int = 10  # builtin data only; cifar10 has 10, imagefolder counts its folders
-    train_samples: int = 8192  # builtin data only
-    eval_samples: int = 2048  # builtin data only
-    augment: bool = True  # random crop and flip, seeded per sample so a resume sees the same pixels
+    """How the task's data sets are loaded (what they hold is the task's: task.*)."""
+
     num_workers: int = 2
     pin_memory: bool = True  # only used with CUDA
     persistent_workers: bool = True
     prefetch_factor: int = 2
-
-
-@dataclass
-class ModelConfig:
-    name: str = "resnet18"
-    small_input: bool = True  # 3x3 stem without max-pool when image_size <= 64 (CIFAR-style)
-    norm: Literal["batch", "group"] = "batch"
-    sync_bn: bool = False
 
 
 @dataclass
@@ -92,6 +73,7 @@ class DistConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
+    sync_bn: bool = False  # BatchNorm statistics over all ranks (torch's SyncBatchNorm; CUDA only)
 
 
 @dataclass
@@ -135,13 +117,16 @@ class Config:
     resume: str = "auto"  # auto | never | PATH
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # task.name picks the Task class (train/task.py); its Config holds the other task.* keys. Set by load().
+    task_name: str = ""
+    task: Any = None
+    task_class: Any = None
 
     @property
     def run_dir(self) -> Path:
@@ -158,10 +143,15 @@ def _key(f: dataclasses.Field) -> str:
     return f.name.rstrip("_")
 
 
+TASK_FIELDS = ("task_name", "task", "task_class")  # Config's fields that the task section fills (below)
+
+
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if cls is Config and f.name in TASK_FIELDS:
+            continue
         name = prefix + _key(f)
         if dataclasses.is_dataclass(hints[f.name]):
             keys += _all_keys(hints[f.name], name + ".")
@@ -170,8 +160,10 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown(key: str, prefix: str) -> ConfigError:
-    valid = _all_keys(Config)
+def _unknown(key: str, prefix: str, obj: Any) -> ConfigError:
+    valid = _all_keys(Config) + ["task.name"]
+    if prefix.startswith("task."):
+        valid += _all_keys(type(obj), "task.")
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     if not near:  # fall back to the keys of the same section
         near = [k for k in valid if k.startswith(prefix)][:5] if prefix else []
@@ -212,14 +204,14 @@ def _merge(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(type(obj))
-    fields = {_key(f): f for f in dataclasses.fields(obj)}
+    fields = {_key(f): f for f in dataclasses.fields(obj) if not (isinstance(obj, Config) and f.name in TASK_FIELDS)}
     for k, v in data.items():
         key = prefix + str(k)
         if k not in fields:
             while isinstance(v, dict) and v:  # name the whole key the user wrote: trian.steps
                 k, v = next(iter(v.items()))
                 key += f".{k}"
-            raise _unknown(key, prefix)
+            raise _unknown(key, prefix, obj)
         f = fields[k]
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
@@ -241,15 +233,38 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
 def to_dict(obj: Any) -> dict:
     out = {}
     for f in dataclasses.fields(obj):
+        if isinstance(obj, Config) and f.name in TASK_FIELDS:
+            continue
         v = getattr(obj, f.name)
         out[_key(f)] = to_dict(v) if dataclasses.is_dataclass(v) else v
+    if isinstance(obj, Config):
+        out["task"] = {"name": obj.task_name} | (to_dict(obj.task) if obj.task is not None else {})
     return out
+
+
+def _set_task(cfg: Config, sections: list[Any]) -> None:
+    """The task section: task.name (the last one given) picks the Task class, whose Config then takes the
+    other task.* keys, the file's first and the command line's over them."""
+    from train.task import DEFAULT, load_class  # imports the task's module (a user's file: torch)
+
+    sections = [{"name": s} if isinstance(s, str) else ({} if s is None else s) for s in sections]
+    for s in sections:
+        if not isinstance(s, dict):
+            raise ConfigError(f"task: expected a mapping (task.name and the task's keys), got {s!r}")
+    name = next((str(s["name"]) for s in reversed(sections) if "name" in s), DEFAULT)
+    cfg.task_name, cfg.task_class = name, load_class(name)
+    cfg.task = cfg.task_class.Config()
+    for s in sections:
+        _merge(cfg.task, {k: v for k, v in s.items() if k != "name"}, "task.")
 
 
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from to_dict() output (a checkpoint's or a run directory's config)."""
     cfg = Config()
+    data = dict(data)
+    task = data.pop("task", {})
     _merge(cfg, data)
+    _set_task(cfg, [task])
     validate(cfg)
     return cfg
 
@@ -269,7 +284,12 @@ def load(path: str | None, overrides: list[str]) -> Config:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        _merge(cfg, data)
+    else:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys, got {data!r}")
+    file_task = data.pop("task", {}) if isinstance(data, dict) else {}
+    _merge(cfg, data)
     cli: dict = {}
     for item in overrides:
         key, eq, raw = item.partition("=")
@@ -280,7 +300,9 @@ def load(path: str | None, overrides: list[str]) -> Config:
         except yaml.YAMLError:
             value = raw
         _set_dotted(cli, key.strip(), value)
+    cli_task = cli.pop("task", {})
     _merge(cfg, cli)
+    _set_task(cfg, [file_task or {}, cli_task])
     validate(cfg)
     return cfg
 
@@ -326,16 +348,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-    _require(cfg.model.name in RESNETS,
-             f"model.name: '{cfg.model.name}' is not a torchvision ResNet"
-             + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(cfg.model.name, RESNETS, 1))
-                else f" (one of {', '.join(RESNETS)})"))
-    _require(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
-    _require(d.num_classes >= 2, f"data.num_classes must be >= 2, got {d.num_classes}")
-    _require(d.train_samples > 0 and d.eval_samples > 0, "data.train_samples and data.eval_samples must be > 0")
     _require(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     _require(d.prefetch_factor > 0, f"data.prefetch_factor must be > 0, got {d.prefetch_factor}")
-    _require(d.name == "builtin" or d.path, f"data.path is required with data.name={d.name}")
     _require(cfg.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {cfg.dist.timeout_s}")
     _require(cfg.dist.bucket_cap_mb > 0, f"dist.bucket_cap_mb must be > 0, got {cfg.dist.bucket_cap_mb}")
     _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
@@ -344,6 +358,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(bool(cfg.run.name) and "/" not in cfg.run.name,
              f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
     _validate_observability(cfg)
+    if cfg.task_class is not None:
+        cfg.task_class(cfg.task, cfg.seed).check()
     if world_size is not None:
         per_step = t.micro_batch_size * world_size
         _require(t.global_batch_size % per_step == 0,

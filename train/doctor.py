@@ -64,10 +64,12 @@ def _local_checks(cfg, denv, device, host: str) -> list[Row]:
 
 
 def _checkpoint_bytes(cfg) -> int:
-    """Model + optimizer state of the configured model, roughly: what one checkpoint takes."""
-    from train import model
+    """Model + optimizer state of the configured model, roughly: what one checkpoint takes (the model is
+    built on the meta device: no memory, no time)."""
+    import torch
 
-    params = sum(p.numel() for p in model.build(cfg.model, cfg.data.num_classes, cfg.data.image_size).parameters())
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        params = sum(p.numel() for p in cfg.task_class(cfg.task, cfg.seed).model().parameters())
     return params * 4 * (3 if cfg.optim.name == "adamw" else 2)
 
 

@@ -63,8 +63,9 @@ class _Console(logging.Handler):
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, denv: DistEnv, cfg: Config | None = None):
+    def __init__(self, run_dir: Path, denv: DistEnv, cfg: Config | None = None, unit: str = "samples"):
         self.run_dir, self.rank, self.is_main = run_dir, denv.rank, denv.rank == 0
+        self.unit = unit  # the task's unit of throughput: the console shows <unit>/s
         self.lcfg = cfg.log if cfg is not None else LogConfig()
         self.total_steps = cfg.train.steps if cfg is not None else None
         self.tracker: Tracker | None = None
@@ -138,8 +139,9 @@ class RunLog:
         if self.tracker is not None:
             self.tracker.log(record)
         r = record
+        speed = f"{r.get(f'{self.unit}_per_s', r['samples_per_s']):.1f} {self.unit}/s"
         line = (f"step {r['step']}/{self.total_steps} epoch {r['epoch']} loss {r['loss']:.4f} lr {r['lr']:.4g} "
-                f"{r['samples_per_s']:.1f} samples/s, {r['step_time_s']:.3f} s/step, "
+                f"{speed}, {r['step_time_s']:.3f} s/step, "
                 f"data wait {r.get('data_wait_share', 0):.0%}")
         if len(r.get("samples_per_s_rank", ())) > 1:
             line += f", slowest rank {r['slowest_rank']} x{r['straggler_ratio']:.2f}"
@@ -149,7 +151,7 @@ class RunLog:
             line += f", MFU {r['mfu']:.1%}"
         self.logger.info(line, extra={"progress": True})
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {r['loss']:.4f}, {r['samples_per_s']:.1f} samples/s")
+            self.bar.set_postfix_str(f"loss {r['loss']:.4f}, {speed}")
         self._check_straggler(r)
 
     def _check_straggler(self, r: dict) -> None:
@@ -168,8 +170,8 @@ class RunLog:
             self.metrics(record)
             if self.tracker is not None:
                 self.tracker.log(record)
-            self.info(f"eval step {record['step']}: loss {record['eval_loss']:.4f} "
-                      f"accuracy {record['eval_accuracy']:.4f}")
+            metrics = " ".join(f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval_"))
+            self.info(f"eval step {record['step']}: {metrics}")
 
     # ---- experiment tracker
     def start_tracker(self, cfg: Config, ckpt, resumed: bool) -> None:

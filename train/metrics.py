@@ -18,7 +18,6 @@ step, none in between.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 
@@ -62,21 +61,33 @@ def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
     return None
 
 
-def flops_per_sample(model_cfg, num_classes: int, image_size: int, batch: int) -> float:
-    """Forward + backward FLOPs of one training sample, counted once on a twin of the model built on
-    the meta device: no memory, no compute, no effect on the real model or on the random state."""
+def flops_per_sample(task, model: torch.nn.Module, batch) -> float:
+    """Forward + backward FLOPs of one training sample: the task's own count, or torch's FlopCounterMode
+    over one step of its loss on `batch` (two samples of its data) run on a copy of the model, so that
+    the real model, its gradients and the random state are untouched."""
+    if (flops := task.flops_per_sample(model)) is not None:
+        return float(flops)
+    import copy
+
     from torch.utils.flop_counter import FlopCounterMode
 
-    from train import model
-
-    twin_cfg = dataclasses.replace(model_cfg, sync_bn=False)  # same FLOPs, no collectives on the meta device
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        copy = model.build(twin_cfg, num_classes, image_size)
-        x = torch.empty(batch, 3, image_size, image_size)
-        y = torch.zeros(batch, dtype=torch.long)
+    twin = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[batch_device(batch)] if batch_device(batch).type == "cuda" else []):
         with FlopCounterMode(display=False) as counter:
-            torch.nn.functional.cross_entropy(copy(x), y).backward()
-    return counter.get_total_flops() / batch
+            task.loss(twin, batch).backward()
+    return counter.get_total_flops() / _batch_len(batch)
+
+
+def batch_device(batch) -> torch.device:
+    while not torch.is_tensor(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch.device
+
+
+def _batch_len(batch) -> int:
+    while not torch.is_tensor(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(batch.shape[0])
 
 
 class StepMeter:
@@ -84,8 +95,9 @@ class StepMeter:
 
     def __init__(self, device: torch.device, world_size: int, samples_per_rank_step: int,
                  flops_per_sample: float | None = None, peak_flops: float | None = None,
-                 profiler: Profiler | None = None):
+                 profiler: Profiler | None = None, unit: str = "samples", units_per_sample: int = 1):
         self.device, self.world_size, self.samples_per_rank_step = device, world_size, samples_per_rank_step
+        self.unit, self.units_per_sample = unit, units_per_sample
         self.flops_per_sample, self.peak_flops, self.profiler = flops_per_sample, peak_flops, profiler
         self.cuda = device.type == "cuda"
         self._reset()
@@ -97,13 +109,16 @@ class StepMeter:
         if parts.device.type == "cuda":
             peak = peak_flops(torch.cuda.get_device_name(parts.device), cfg.train.precision, cfg.train.tf32)
             try:
-                flops = flops_per_sample(cfg.model, parts.raw.fc.out_features, cfg.data.image_size,
-                                         cfg.train.micro_batch_size)
+                from train.trainer import to_device
+
+                sample = parts.eval_loader.collate_fn([parts.eval_loader.dataset[k] for k in [(0, 0), (1, 0)]])
+                flops = flops_per_sample(parts.task, parts.raw, to_device(parts, sample))
             except Exception as e:  # an estimate is not worth a failed run
                 parts.log.warning(f"FLOPs not counted ({type(e).__name__}: {e}); no MFU")
         prof = Profiler(cfg, rank, parts.step) if cfg.profile.enabled else None
         samples = cfg.train.micro_batch_size * cfg.accum_steps(parts.world_size)
-        return cls(parts.device, parts.world_size, samples, flops, peak, prof)
+        return cls(parts.device, parts.world_size, samples, flops, peak, prof, parts.task.unit,
+                   parts.task.units_per_sample())
 
     def start(self) -> None:
         """All ranks start timing together (collective): rank 0's start-up work (W&B) is not a wait."""
@@ -166,6 +181,8 @@ class StepMeter:
         out = {
             "samples_per_s": steps * self.samples_per_rank_step * self.world_size / wall[0].item(),
             "step_time_s": wall[0].item() / steps,
+            **({f"{self.unit}_per_s": steps * self.samples_per_rank_step * self.world_size * self.units_per_sample
+                / wall[0].item()} if self.unit != "samples" else {}),
             "samples_per_s_rank": (steps * self.samples_per_rank_step / own).tolist(),
             "data_wait_share": (data / wall).mean().item(),
             "straggler_ratio": (own.max() / own.min()).item(),

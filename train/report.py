@@ -37,7 +37,7 @@ def load(run_dir: Path) -> tuple[list[dict], list[dict], dict | None, dict | Non
             continue
         if isinstance(rec, dict) and "loss" in rec:
             train.append(rec)
-        elif isinstance(rec, dict) and "eval_accuracy" in rec:
+        elif isinstance(rec, dict) and any(k.startswith("eval_") for k in rec):
             evals.append(rec)
     if not train:
         raise ReportError(f"{path} holds no training steps yet")
@@ -66,6 +66,19 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def headline(evals: list[dict]) -> tuple[str, bool]:
+    """The evaluation metric shown beside the loss: the task's first other one (accuracy, perplexity), and
+    whether higher is better (accuracy-like: a share in [0, 1])."""
+    keys = [k for k in evals[-1] if k.startswith("eval_") and k != "eval_loss"] or ["eval_loss"]
+    key = keys[0]
+    return key, key not in ("eval_loss", "eval_perplexity") and all(0 <= r.get(key, 0) <= 1 for r in evals)
+
+
+def _unit(train: list[dict]) -> str:
+    units = [k[:-6] for k in train[-1] if k.endswith("_per_s") and k != "samples_per_s"]
+    return units[0] if units else "samples"
+
+
 def text(run_dir: Path, train: list[dict], evals: list[dict], summary: dict | None, config: dict | None) -> str:
     total = (config or {}).get("train", {}).get("steps")
     last = train[-1]
@@ -82,11 +95,17 @@ def text(run_dir: Path, train: list[dict], evals: list[dict], summary: dict | No
     lines = [f"run {run_dir}: {status}"]
     loss = f"train loss {train[0]['loss']:.4f} (step {train[0]['step']}) -> {last['loss']:.4f} (step {last['step']})"
     if evals:
-        best = max(evals, key=lambda r: r["eval_accuracy"])
-        loss += (f"; eval loss {evals[-1]['eval_loss']:.4f}, accuracy {evals[-1]['eval_accuracy']:.4f} "
-                 f"(best {best['eval_accuracy']:.4f} at step {best['step']})")
+        key, higher = headline(evals)
+        scored = [r for r in evals if key in r]
+        best = (max if higher else min)(scored, key=lambda r: r[key])
+        if "eval_loss" in evals[-1]:
+            loss += f"; eval loss {evals[-1]['eval_loss']:.4f}"
+        if key != "eval_loss" or "eval_loss" not in evals[-1]:
+            loss += f", {key[5:]} {evals[-1][key]:.4f}"
+        loss += f" (best {best[key]:.4f} at step {best['step']})"
     lines.append(loss)
-    perf = [f"throughput {_median(train, 'samples_per_s'):.1f} samples/s",
+    unit = _unit(train)
+    perf = [f"throughput {_median(train, unit + '_per_s'):.1f} {unit}/s",
             f"{_median(train, 'step_time_s'):.3f} s/step (medians over log steps)"]
     if (share := _median(train, "data_wait_share")) is not None:
         perf.append(f"data wait {share:.1%}")
@@ -115,27 +134,35 @@ def plot(train: list[dict], evals: list[dict], path: Path, title: str) -> None:
     steps = [r["step"] for r in train]
     ax_loss.plot(steps, [r["loss"] for r in train], color="C0", label="train")
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="C1", label="eval")
-        ax_acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", color="C0")
-        ax_acc.set_ylim(0, 1)
+        if with_loss := [r for r in evals if "eval_loss" in r]:
+            ax_loss.plot([r["step"] for r in with_loss], [r["eval_loss"] for r in with_loss], "o-", color="C1",
+                         label="eval")
+        key, higher = headline(evals)
+        ax_acc.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "o-", color="C0")
+        if higher:
+            ax_acc.set_ylim(0, 1)
     else:
         ax_acc.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax_acc.transAxes)
     ax_loss.legend()
     ax_lr.plot(steps, [r["lr"] for r in train], color="C0")
-    ax_speed.plot(steps, [r["samples_per_s"] for r in train], color="C0", label="all ranks")
+    unit = _unit(train)
+    ax_speed.plot(steps, [r[f"{unit}_per_s"] for r in train], color="C0", label="all ranks")
+    ax_speed.set_ylabel(f"{unit}/s")
     if any("mfu" in r for r in train):
         twin = ax_speed.twinx()
         twin.plot([r["step"] for r in train if "mfu" in r], [100 * r["mfu"] for r in train if "mfu" in r],
                   color="C2", label="MFU")
         twin.set_ylabel("MFU (%)")
-    for ax, name in zip((ax_loss, ax_acc, ax_lr, ax_speed), PANELS, strict=True):
+    panels = ("loss", headline(evals)[0].replace("_", " ") if evals else PANELS[1], "learning rate",
+              f"throughput ({unit}/s)")
+    for ax, name in zip((ax_loss, ax_acc, ax_lr, ax_speed), panels, strict=True):
         ax.set_title(name)
         ax.grid(alpha=0.3)
     ax_lr.set_xlabel("step")
     ax_speed.set_xlabel("step")
     ax_speed.set_ylim(bottom=0)
     fig.suptitle(title)
-    fig.savefig(path, metadata={"Title": title, "Description": "panels: " + ", ".join(PANELS)})
+    fig.savefig(path, metadata={"Title": title, "Description": "panels: " + ", ".join(panels)})
 
 
 def write(run_dir: Path) -> tuple[Path, str]:

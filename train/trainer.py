@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import data, distributed, model, optim
+from train import data, distributed, optim
 from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
+from train.task import Task
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +29,7 @@ class Parts:
     """What fit() works on, built once by the entry point."""
 
     cfg: Config
+    task: Task  # the user's model, data, loss and metrics (train/task.py)
     device: torch.device
     world_size: int
     raw: nn.Module  # the bare model: what checkpoints hold and evaluation runs
@@ -52,40 +53,54 @@ def autocast(parts: Parts):
 
 
 @torch.no_grad()
-def evaluate(parts: Parts, ckpt: Checkpointer) -> tuple[float, float] | None:
-    """Loss and accuracy over the whole evaluation set: each rank takes a shard, sums are all-reduced.
+def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
+    """The task's metrics over the whole evaluation set: each rank takes a shard, sums are all-reduced.
 
     Returns None when a stop was agreed first: the ranks agree between batches, so a stop never waits
     for a long evaluation (shards differ by a batch at most; every rank takes the same number of turns)."""
     model = parts.raw
-    # Every rank evaluates with rank 0's BatchNorm statistics, the ones a checkpoint holds (DDP would
-    # broadcast them at the next forward anyway): the result does not depend on the world size.
+    # Every rank evaluates with rank 0's buffers (BatchNorm statistics), the ones a checkpoint holds (DDP
+    # would broadcast them at the next forward anyway): the result does not depend on the world size.
     distributed.sync_buffers(model)
     turns = int(distributed.all_reduce_max(len(parts.eval_loader), parts.device))
     batches = iter(parts.eval_loader)
     model.eval()
-    loss_sum = correct = count = 0.0
+    sums: dict[str, torch.Tensor] = {}
     try:
         for _ in range(turns):
             if ckpt.stop_agreed(parts.device):
                 return None
             if (batch := next(batches, None)) is None:
                 continue
-            x, y = _to_device(parts, *batch)
             with autocast(parts):
-                logits = model(x)
-            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-            correct += (logits.argmax(1) == y).sum().item()
-            count += len(y)
+                out = parts.task.eval_step(model, to_device(parts, batch))
+            for k, v in out.items():
+                v = v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+                sums[k] = sums.get(k, 0) + v.to(parts.device)
     finally:
         model.train()
-    loss_sum, correct, count = distributed.all_reduce_sum([loss_sum, correct, count], parts.device)
-    return loss_sum / count, correct / count
+    # Every rank has a batch (loaders() checks it), so every rank has the same keys in the same order.
+    keys = list(sums)
+    totals = dict(zip(keys, distributed.all_reduce_sum([sums[k].item() for k in keys], parts.device), strict=True))
+    count = totals.pop("count", None)
+    if not count:
+        raise ConfigError(f"task {parts.cfg.task_name}: eval_step() must return a \"count\" > 0 with its sums")
+    means = parts.task.summarize({k: v / count for k, v in totals.items()})
+    return {f"eval_{k}": float(v) for k, v in means.items()}
 
 
-def _to_device(parts: Parts, x: torch.Tensor, y: torch.Tensor):
-    fmt = torch.channels_last if parts.cfg.train.channels_last else torch.contiguous_format
-    return (x.to(parts.device, non_blocking=True, memory_format=fmt), y.to(parts.device, non_blocking=True))
+def to_device(parts: Parts, batch):
+    """A collated batch (tensors, or tuples, lists and dicts of them) on the device; images (4-D floating
+    tensors) in channels_last when train.channels_last is set."""
+    if torch.is_tensor(batch):
+        fmt = (torch.channels_last if parts.cfg.train.channels_last and batch.dim() == 4
+               and batch.is_floating_point() else torch.contiguous_format)
+        return batch.to(parts.device, non_blocking=True, memory_format=fmt)
+    if isinstance(batch, dict):
+        return {k: to_device(parts, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(parts, v) for v in batch)
+    return batch
 
 
 def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Tensor:
@@ -96,12 +111,16 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
     for micro in range(accum):
         with meter.waiting_for_data():
             batch = next(batches)
-        x, y = _to_device(parts, *batch)
+        batch = to_device(parts, batch)
         # Only the last micro-step all-reduces; the others accumulate gradients locally.
         sync = contextlib.nullcontext() if micro == accum - 1 else parts.ddp.no_sync()
         with sync, meter.computing():
             with autocast(parts):
-                loss = F.cross_entropy(parts.step_model(x), y) / accum
+                loss = parts.task.loss(parts.step_model, batch)
+            if not (torch.is_tensor(loss) and loss.dim() == 0):
+                raise ConfigError(f"task {cfg.task_name}: loss() must return a scalar tensor, got "
+                                  f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
+            loss = loss / accum
             parts.scaler.scale(loss).backward()
         total += loss.detach().float()
     if cfg.train.grad_clip > 0:
@@ -133,7 +152,6 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
     accum = cfg.accum_steps(parts.world_size)
     batches = iter(parts.stream)
     start_step, t_start = parts.step, time.perf_counter()
-    eval_loss = eval_acc = float("nan")
     parts.raw.train()
     if parts.eval_pending and parts.step < cfg.train.steps and log.evaluated(parts.step):
         parts.eval_pending = False  # resumed from a checkpoint saved before its evaluation, which was logged
@@ -169,21 +187,19 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
     parts.eval_pending = True
     if (result := _evaluate_and_log(parts, ckpt, meter)) is None:
         return _stop(parts, ckpt)
-    eval_loss, eval_acc = result
     wall = time.perf_counter() - t_start
-    return {"steps": parts.step, "world_size": parts.world_size, "train_loss": log.last_train_loss,
-            "eval_loss": eval_loss, "eval_accuracy": eval_acc,
+    return {"steps": parts.step, "world_size": parts.world_size, "train_loss": log.last_train_loss, **result,
             "samples_per_s": (parts.step - start_step) * cfg.train.global_batch_size / max(wall, 1e-9),
             "wall_s": wall, "ranks_in_sync": ranks_in_sync(parts),
             "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
 
 
-def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> tuple[float, float] | None:
+def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict[str, float] | None:
     with meter.paused():
         result = evaluate(parts, ckpt)
     if result is not None:
         parts.eval_pending = False
-        parts.log.eval({"step": parts.step, "eval_loss": result[0], "eval_accuracy": result[1]})
+        parts.log.eval({"step": parts.step} | result)
     return result
 
 
@@ -209,12 +225,20 @@ def configure_torch(cfg: Config) -> None:
 
 
 def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts:
-    stream, eval_loader, num_classes = data.loaders(cfg, denv.rank, denv.world_size, device.type == "cuda")
-    if cfg.model.sync_bn and device.type != "cuda":
-        raise ConfigError("model.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use model.norm=group")
+    task = cfg.task_class(cfg.task, cfg.seed)
+    train_set, eval_set = task.datasets()
+    stream, eval_loader = data.loaders(cfg, train_set, eval_set, denv.rank, denv.world_size, device.type == "cuda")
+    if cfg.dist.sync_bn and device.type != "cuda":
+        raise ConfigError("dist.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use a GroupNorm "
+                          "(task.norm=group for the built-in ResNets)")
     check_fresh_start(cfg)  # resume=never never overwrites an earlier run
-    log = RunLog(cfg.run_dir, denv, cfg)  # only now: a config or data error leaves nothing behind
-    raw = model.build(cfg.model, num_classes, cfg.data.image_size).to(device)
+    log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
+    raw = task.model()
+    if not isinstance(raw, nn.Module):
+        raise ConfigError(f"task {cfg.task_name}: model() must return a torch.nn.Module, got {type(raw).__name__}")
+    if cfg.dist.sync_bn:
+        raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
+    raw = raw.to(device)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
     ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None,
@@ -228,7 +252,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     np.random.seed(rank_seed % 2**32)
     torch.manual_seed(rank_seed)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    return Parts(cfg=cfg, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
+    return Parts(cfg=cfg, task=task, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
                  stream=stream, eval_loader=eval_loader, log=log,
                  window_loss=torch.zeros((), device=device))
@@ -266,8 +290,9 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             exit_code = EXIT_REQUEUE
             return EXIT_REQUEUE
         exit_code = 0
-        log.info(f"done: {summary['steps']} steps, eval accuracy {summary['eval_accuracy']:.4f}, "
-                 f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_s']:.1f} s")
+        evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
+        log.info(f"done: {summary['steps']} steps, {evals}, {summary['samples_per_s']:.1f} samples/s, "
+                 f"{summary['wall_s']:.1f} s")
         log.finish(summary)  # summary.json, the tracker's summary, report.png and report.txt
         ckpt.mark_finished(summary["steps"])
         return 0

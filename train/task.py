@@ -1,0 +1,138 @@
+"""The task interface: your model, data, loss and metrics, in one file of yours.
+
+    task:
+      name: examples/regression.py:Regression   # a file path or a module (my_pkg.tasks:Regression)
+      hidden: 64                                # your own keys: the fields of Regression.Config
+
+A task is a subclass of `Task` with three methods it must have (datasets, model, loss) and a few it may
+override. The trainer does everything else for any task, without the task doing anything for it: DDP and
+accumulation (no_sync), AMP (bf16, fp16 with a GradScaler), clipping, checkpoints with exact resume
+mid-epoch (the data position and every RNG), stops and requeues, elastic world sizes (each sample once an
+epoch), W&B, metrics.jsonl, the report, the doctor, and every launcher.
+
+What the trainer asks of a task, and only that:
+- `datasets()`: (train, eval), map-style: `len(ds)` and `ds[i]`, an item that the default collate batches
+  (tensors, numbers, or tuples/dicts of them). Random augmentation may draw from torch, random and numpy
+  freely: the trainer seeds those from (seed, epoch, index) around each `ds[i]`, so a resumed run, any
+  number of loader workers and any world size see the same sample. Built on every rank: keep it cheap
+  (memory-map big files, as the language model's token shards do).
+- `model()`: an `nn.Module`, built on the CPU with torch's global RNG already seeded (the same weights on
+  every rank); the trainer moves it to the device and wraps it.
+- `loss(model, batch)`: the mean loss of a micro-batch already on the device, a scalar tensor; run under
+  autocast; the trainer scales, accumulates and steps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from train.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+DEFAULT = "train.tasks.image:ImageClassification"
+
+
+class Task:
+    """Subclass it in a file of yours; see the module's text for what each method is asked for."""
+
+    @dataclass
+    class Config:
+        """The task's own keys (task.<key>): typed and checked like every other key. Override it."""
+
+    unit = "samples"  # what throughput counts: "images", "tokens"
+
+    def __init__(self, cfg: Any, seed: int):
+        self.cfg, self.seed = cfg, seed  # cfg: an instance of this class's Config, filled from task.*
+
+    def check(self) -> None:
+        """Range checks on self.cfg beyond their types: raise ConfigError("task.<key>: ...")."""
+
+    def datasets(self) -> tuple[Dataset, Dataset]:
+        raise NotImplementedError
+
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor | float]:
+        """Sums over one evaluation batch, and "count": what they are averaged over. The trainer sums them
+        over all batches and ranks and logs eval_<key> = sum / count. Default: the loss per sample."""
+        n = _batch_len(batch)
+        return {"loss": self.loss(model, batch).float() * n, "count": n}
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        """Metrics derived from the averaged ones (a perplexity from the loss); default: as they are."""
+        return means
+
+    def units_per_sample(self) -> int:
+        """How many `unit`s one sample holds (a window of 1024 tokens: 1024)."""
+        return 1
+
+    def flops_per_sample(self, model: nn.Module) -> float | None:
+        """Forward + backward FLOPs of one training sample, for MFU on GPUs. None: counted by torch's
+        FlopCounterMode on one batch of two samples (override it where that is wrong or slow)."""
+        return None
+
+
+def _batch_len(batch: Any) -> int:
+    while not hasattr(batch, "shape"):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(batch.shape[0])
+
+
+REQUIRED = ("datasets", "model", "loss")
+
+
+def load_class(spec: str) -> type[Task]:
+    """`path/to/file.py:Name` or `package.module:Name` -> the Task subclass; ConfigError naming what is wrong."""
+    where, colon, name = spec.rpartition(":")
+    if not colon or not where or not name:
+        raise ConfigError(f"task.name: {spec!r} is not of the form path/to/file.py:ClassName or module:ClassName")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"task.name: {where} does not exist (relative paths start at {Path.cwd()})")
+            modname = f"_task_{path.stem}"
+            if modname not in sys.modules:  # loaded once per process: a second load would make a new class
+                spec_ = importlib.util.spec_from_file_location(modname, path)
+                module = importlib.util.module_from_spec(spec_)
+                sys.modules[modname] = module  # dataclasses and pickling look a class's module up by name
+                try:
+                    spec_.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[modname]
+                    raise
+            module = sys.modules[modname]
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"task.name: cannot import {where} ({e}); install it or give a .py file's path") from None
+    except Exception as e:
+        raise ConfigError(f"task.name: importing {where} failed: {type(e).__name__}: {e}") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        have = sorted(k for k, v in vars(module).items()
+                      if isinstance(v, type) and issubclass(v, Task) and v is not Task)
+        raise ConfigError(f"task.name: {where} has no {name}" + (f" (it has {', '.join(have)})" if have else ""))
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task.name: {spec} is not a subclass of train.task.Task")
+    missing = [m for m in REQUIRED if getattr(cls, m) is getattr(Task, m)]
+    if missing:
+        raise ConfigError(f"task.name: {spec} does not define {', '.join(missing)}()")
+    if not is_dataclass(cls.Config):
+        raise ConfigError(f"task.name: {spec}.Config is not a @dataclass")
+    return cls
