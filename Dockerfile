@@ -54,6 +54,7 @@ COPY --from=deps /opt/venv /opt/venv
 WORKDIR /app
 COPY train/ train/
 COPY configs/ configs/
+COPY examples/ examples/
 RUN python -m compileall -q train \
     && ln -s /runs runs
 

@@ -156,7 +156,7 @@ def test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile(tmp_pa
                             "profile.warmup=1", "profile.active=2", env=obs_env(tmp_path))  # W&B offline
     (out0, _), (out1, err1) = out[0], out[1]
     # Off a terminal rank 0 prints plain lines, one per log step; rank 1 prints nothing but warnings.
-    assert len(re.findall(r"INFO step \d+/6 epoch 0 loss [\d.]+ lr \S+ [\d.]+ samples/s", out0)) == 6, out0
+    assert len(re.findall(r"INFO step \d+/6 epoch 0 loss [\d.]+ lr \S+ [\d.]+ images/s", out0)) == 6, out0
     assert "\r" not in out0 and "\x1b[" not in out0
     assert out1 == "", out1
     assert_no_progress(err1, "rank 1's stderr")
@@ -167,6 +167,7 @@ def test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile(tmp_pa
     for m in train:
         assert {"epoch", "loss", "lr", "samples_per_s", "step_time_s"} <= m.keys()  # the keys tools rely on
         assert m["samples_per_s"] > 0 and m["step_time_s"] > 0
+        assert m["images_per_s"] == m["samples_per_s"]  # the task's unit: one image a sample
         assert len(m["samples_per_s_rank"]) == 2 and min(m["samples_per_s_rank"]) > 0
         assert 0 <= m["data_wait_share"] < 1 and m["straggler_ratio"] >= 1 and m["slowest_rank"] in (0, 1)
         # A rank alone is never slower than the job, which waits for the slowest rank.
@@ -285,7 +286,8 @@ def assert_report(run_dir: Path) -> None:
         img.verify()
     with Image.open(png) as img:
         assert img.format == "PNG" and img.size == (1000, 700)
-        assert img.text["Description"] == "panels: " + ", ".join(report.PANELS)
+        unit = "images" if any("images_per_s" in r for r in report.load(run_dir)[0]) else "samples"
+        assert img.text["Description"] == f"panels: loss, eval accuracy, learning rate, throughput ({unit}/s)"
         rgb = img.convert("RGB")
         w, h = rgb.size
         # Every quadrant (one panel each) holds a plotted line or marker in matplotlib's first colour.
@@ -307,7 +309,8 @@ def test_report_cli_on_any_run_dir_and_one_line_errors(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "incomplete" in proc.stdout and "last logged step 10" in proc.stdout
-    assert "accuracy 0.4000 (best 0.4000 at step 10)" in proc.stdout and "throughput 106.0 samples/s" in proc.stdout
+    assert "eval loss 1.5000, accuracy 0.4000 (best eval loss 1.5000 at step 10)" in proc.stdout
+    assert "throughput 106.0 samples/s" in proc.stdout
     assert (run_dir / "report.txt").read_text() in proc.stdout
     assert_report(run_dir)
 

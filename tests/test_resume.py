@@ -178,7 +178,8 @@ def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path, finished_
     copy_run(finished_run, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
     proc = run_train(tmp_path, "task.model=resnet34", "train.steps=9", expect=2)
-    assert "does not match task.model=resnet34" in proc.stderr and "missing, first layer1.2" in proc.stderr
+    assert "does not match the model of this run (it has task.model=resnet18, this run task.model=resnet34)" \
+        in proc.stderr and "missing, first layer1.2" in proc.stderr
     assert "Traceback" not in proc.stderr
     after = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
     assert before == after

@@ -222,6 +222,20 @@ def _to_host(obj):
     return obj
 
 
+def _task_diff(cfg: Config, state: dict) -> str:
+    """How the checkpoint's task.* keys differ from this run's, as ` (it has task.model=resnet18, this run
+    task.model=resnet34)`; empty when they are the same or unknown."""
+    theirs = (state.get("config") or {}).get("task")
+    if not isinstance(theirs, dict):
+        return ""
+    ours = to_dict(cfg)["task"]
+    keys = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
+    if not keys:
+        return ""
+    return (" (it has " + ", ".join(f"task.{k}={theirs.get(k)}" for k in keys[:3])
+            + ", this run " + ", ".join(f"task.{k}={ours.get(k)}" for k in keys[:3]) + ")")
+
+
 def _model_mismatch(expected: dict, got: dict) -> str | None:
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
@@ -531,8 +545,8 @@ class Checkpointer:
 
     def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
         if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
-            raise ConfigError(f"checkpoint {path} does not match the model of task {self.cfg.task_name} "
-                              f"(task.* keys): {problem}")
+            raise ConfigError(f"checkpoint {path} does not match the model of this run{_task_diff(self.cfg, state)}: "
+                              f"{problem}")
         parts.raw.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler.is_enabled() and not state["scaler"]:

@@ -66,12 +66,10 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def headline(evals: list[dict]) -> tuple[str, bool]:
-    """The evaluation metric shown beside the loss: the task's first other one (accuracy, perplexity), and
-    whether higher is better (accuracy-like: a share in [0, 1])."""
+def headline(evals: list[dict]) -> str:
+    """The evaluation metric shown beside the loss: the task's first other one (accuracy, perplexity)."""
     keys = [k for k in evals[-1] if k.startswith("eval_") and k != "eval_loss"] or ["eval_loss"]
-    key = keys[0]
-    return key, key not in ("eval_loss", "eval_perplexity") and all(0 <= r.get(key, 0) <= 1 for r in evals)
+    return keys[0]
 
 
 def _unit(train: list[dict]) -> str:
@@ -95,14 +93,12 @@ def text(run_dir: Path, train: list[dict], evals: list[dict], summary: dict | No
     lines = [f"run {run_dir}: {status}"]
     loss = f"train loss {train[0]['loss']:.4f} (step {train[0]['step']}) -> {last['loss']:.4f} (step {last['step']})"
     if evals:
-        key, higher = headline(evals)
-        scored = [r for r in evals if key in r]
-        best = (max if higher else min)(scored, key=lambda r: r[key])
-        if "eval_loss" in evals[-1]:
-            loss += f"; eval loss {evals[-1]['eval_loss']:.4f}"
-        if key != "eval_loss" or "eval_loss" not in evals[-1]:
-            loss += f", {key[5:]} {evals[-1][key]:.4f}"
-        loss += f" (best {best[key]:.4f} at step {best['step']})"
+        key, last = headline(evals), evals[-1]
+        loss += "; " + ", ".join(f"{k[5:].replace('_', ' ')} {last[k]:.4f}" for k in dict.fromkeys(["eval_loss", key])
+                                 if k in last)
+        if scored := [r for r in evals if "eval_loss" in r]:  # lower is better for every task's loss
+            best = min(scored, key=lambda r: r["eval_loss"])
+            loss += f" (best eval loss {best['eval_loss']:.4f} at step {best['step']})"
     lines.append(loss)
     unit = _unit(train)
     perf = [f"throughput {_median(train, unit + '_per_s'):.1f} {unit}/s",
@@ -137,9 +133,9 @@ def plot(train: list[dict], evals: list[dict], path: Path, title: str) -> None:
         if with_loss := [r for r in evals if "eval_loss" in r]:
             ax_loss.plot([r["step"] for r in with_loss], [r["eval_loss"] for r in with_loss], "o-", color="C1",
                          label="eval")
-        key, higher = headline(evals)
+        key = headline(evals)
         ax_acc.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "o-", color="C0")
-        if higher:
+        if key == "eval_accuracy":
             ax_acc.set_ylim(0, 1)
     else:
         ax_acc.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax_acc.transAxes)
@@ -153,7 +149,7 @@ def plot(train: list[dict], evals: list[dict], path: Path, title: str) -> None:
         twin.plot([r["step"] for r in train if "mfu" in r], [100 * r["mfu"] for r in train if "mfu" in r],
                   color="C2", label="MFU")
         twin.set_ylabel("MFU (%)")
-    panels = ("loss", headline(evals)[0].replace("_", " ") if evals else PANELS[1], "learning rate",
+    panels = ("loss", headline(evals).replace("_", " ") if evals else PANELS[1], "learning rate",
               f"throughput ({unit}/s)")
     for ax, name in zip((ax_loss, ax_acc, ax_lr, ax_speed), panels, strict=True):
         ax.set_title(name)

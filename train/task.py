@@ -25,8 +25,8 @@ What the trainer asks of a task, and only that:
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
+import traceback
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,6 +94,24 @@ def _batch_len(batch: Any) -> int:
 REQUIRED = ("datasets", "model", "loss")
 
 
+def _import_file(path: Path):
+    """A task's file, imported under its own name with its folder first on sys.path: loader workers (which
+    the trainer starts from a fork server, with this process's sys.path) then unpickle its data sets'
+    classes by importing it the same way."""
+    if not path.is_file():
+        raise ConfigError(f"task.name: {path} does not exist (relative paths start at {Path.cwd()})")
+    folder, name = str(path.resolve().parent), path.stem
+    if not name.isidentifier():
+        raise ConfigError(f"task.name: {path}: a task file's name must be a Python identifier (rename it)")
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path.resolve():
+        raise ConfigError(f"task.name: {path} has the name of the module {name} ({getattr(loaded, '__file__', '')})"
+                          f": rename the file")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 def load_class(spec: str) -> type[Task]:
     """`path/to/file.py:Name` or `package.module:Name` -> the Task subclass; ConfigError naming what is wrong."""
     where, colon, name = spec.rpartition(":")
@@ -101,28 +119,17 @@ def load_class(spec: str) -> type[Task]:
         raise ConfigError(f"task.name: {spec!r} is not of the form path/to/file.py:ClassName or module:ClassName")
     try:
         if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"task.name: {where} does not exist (relative paths start at {Path.cwd()})")
-            modname = f"_task_{path.stem}"
-            if modname not in sys.modules:  # loaded once per process: a second load would make a new class
-                spec_ = importlib.util.spec_from_file_location(modname, path)
-                module = importlib.util.module_from_spec(spec_)
-                sys.modules[modname] = module  # dataclasses and pickling look a class's module up by name
-                try:
-                    spec_.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[modname]
-                    raise
-            module = sys.modules[modname]
+            module = _import_file(Path(where))
         else:
             module = importlib.import_module(where)
     except ConfigError:
         raise
     except ModuleNotFoundError as e:
         raise ConfigError(f"task.name: cannot import {where} ({e}); install it or give a .py file's path") from None
-    except Exception as e:
-        raise ConfigError(f"task.name: importing {where} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # a mistake in the task's file: where it is, in one line
+        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" at {frame.filename}:{frame.lineno}" if frame else ""
+        raise ConfigError(f"task.name: importing {where} failed{at}: {type(e).__name__}: {e}") from None
     cls = getattr(module, name, None)
     if cls is None:
         have = sorted(k for k, v in vars(module).items()
