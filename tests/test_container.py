@@ -342,6 +342,16 @@ def test_docker_stop_saves_exits_75_and_docker_start_resumes_bitwise(image, volu
     assert losses == [(m["step"], m["loss"]) for m in metrics(uninterrupted) if "loss" in m]
 
 
+def test_the_example_user_task_trains_in_the_image(image, volume):
+    """examples/ is in the image: a user's task file, its data set unpickled by a loader worker per rank,
+    on a read-only root as user 10001."""
+    docker("run", "--rm", *RUN_FLAGS, "-v", f"{volume}:/runs", image, "--nproc-per-node", "2", "--",
+           "--config", "examples/regression.yaml", "train.steps=40", "data.num_workers=1",
+           "log.wandb.mode=disabled", "log.report=false", "run.dir=/runs/ex", timeout=600)
+    s = summary(volume_path(volume) / "ex")
+    assert s["steps"] == 40 and s["world_size"] == 2 and s["ranks_in_sync"] and "eval_mae" in s, s
+
+
 def test_torch_compile_in_the_image_on_cpu(image, volume):
     """train.compile=true: inductor's CPU backend compiles C++ with the image's compiler, read-only root."""
     docker("run", "--rm", *RUN_FLAGS, "-v", f"{volume}:/runs", "-e", "TORCHINDUCTOR_CACHE_DIR=/runs/c-inductor",

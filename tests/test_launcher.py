@@ -118,7 +118,7 @@ def _usage_cases(tmp_path, finished_run) -> dict:
         "data path": (["task.data=cifar10", f"task.path={tmp_path / 'nowhere'}"], {}, "does not exist"),
         "CUDA unusable": ([], {"CUDA_VISIBLE_DEVICES": "0"}, "GPUs were allocated (CUDA_VISIBLE_DEVICES=0)"),
         "another model": (["task.model=resnet34", f"resume={finished_run / 'checkpoints'}"], {},
-                          "does not match the model of this run (it has task.model=resnet18, this run task.model=resnet34)"),
+                          "(it has task.model=resnet18, this run task.model=resnet34)"),
         "W&B without a key": (["log.wandb.mode=online"], {"HOME": str(tmp_path), "WANDB_API_KEY": ""}, "API key"),
         "resume=never over a run": (["resume=never"], {}, "already holds a run"),
         "no loadable checkpoint": ([f"resume={tmp_path / 'broken'}"], {}, "no loadable checkpoint"),

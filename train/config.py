@@ -254,7 +254,10 @@ def _set_task(cfg: Config, sections: list[Any]) -> None:
     name = next((str(s["name"]) for s in reversed(sections) if "name" in s), DEFAULT)
     cfg.task_name, cfg.task_class = name, load_class(name)
     cfg.task = cfg.task_class.Config()
-    for s in sections:
+    # A section that names another task (the YAML file's, when the command line picks a task of its own)
+    # holds that task's keys: they are left out, with those of every section before it.
+    last_other = max((i for i, s in enumerate(sections) if "name" in s and str(s["name"]) != name), default=-1)
+    for s in sections[last_other + 1:]:
         _merge(cfg.task, {k: v for k, v in s.items() if k != "name"}, "task.")
 
 

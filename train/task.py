@@ -124,9 +124,9 @@ def load_class(spec: str) -> type[Task]:
             module = importlib.import_module(where)
     except ConfigError:
         raise
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"task.name: cannot import {where} ({e}); install it or give a .py file's path") from None
     except Exception as e:  # a mistake in the task's file: where it is, in one line
+        if isinstance(e, ModuleNotFoundError) and e.name and (where == e.name or where.startswith(e.name + ".")):
+            raise ConfigError(f"task.name: cannot import {where} ({e}); install it or give a .py file's path") from None
         frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         at = f" at {frame.filename}:{frame.lineno}" if frame else ""
         raise ConfigError(f"task.name: importing {where} failed{at}: {type(e).__name__}: {e}") from None

@@ -231,11 +231,11 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     if cfg.dist.sync_bn and device.type != "cuda":
         raise ConfigError("dist.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use a GroupNorm "
                           "(task.norm=group for the built-in ResNets)")
-    check_fresh_start(cfg)  # resume=never never overwrites an earlier run
-    log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
     raw = task.model()
     if not isinstance(raw, nn.Module):
         raise ConfigError(f"task {cfg.task_name}: model() must return a torch.nn.Module, got {type(raw).__name__}")
+    check_fresh_start(cfg)  # resume=never never overwrites an earlier run
+    log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
     if cfg.dist.sync_bn:
         raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
     raw = raw.to(device)
