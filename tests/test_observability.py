@@ -269,7 +269,7 @@ def test_a_terminal_gets_a_progress_bar_instead_of_step_lines(tmp_path):
     assert [m["step"] for m in metrics(tmp_path) if "loss" in m] == [1, 2, 3, 4, 5, 6]
     assert latest_state(tmp_path)["tracker"]["run_id"] is None
     assert BAR.search(out) and "\r" in out, out[-3000:]
-    assert re.search(r"6/6 \[.*loss [\d.]+, [\d.]+ samples/s", out), out[-3000:]
+    assert re.search(r"6/6 \[.*loss [\d.]+, [\d.]+ images/s", out), out[-3000:]
     assert not re.search(r"INFO step \d+/6", out), out[-3000:]  # the bar replaces the per-step lines...
     assert "INFO eval step 6" in out and "INFO done: 6 steps" in out  # ...and other lines print above it
     assert len(re.findall(r"INFO step \d+/6", (tmp_path / "logs" / "rank0.log").read_text())) == 6  # the log has all
@@ -384,7 +384,7 @@ def test_a_terminal_of_unknown_size_still_shows_the_bar(tmp_path):
     code, out = run_in_terminal(train_cmd(tmp_path, "train.steps=2"),
                                 obs_env(tmp_path, TERM="xterm"), rows=0, cols=0)
     assert code == 0, out[-3000:]
-    assert re.search(r"2/2 \[.*loss [\d.]+, [\d.]+ samples/s", out), out[-3000:]
+    assert re.search(r"2/2 \[.*loss [\d.]+, [\d.]+ images/s", out), out[-3000:]
 
 
 def test_wandb_continues_one_run_across_a_torchrun_restart_and_a_requeue(tmp_path):

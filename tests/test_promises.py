@@ -187,18 +187,14 @@ def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
     return counts
 
 
-def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
-    """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
-    in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
-    each epoch, each sample at most once: the start of torch's DistributedSampler permutation of the epoch
-    (seeded by seed + epoch), as far as the world sizes read it (none skipped but the last tail)."""
-    reads_dir = tmp_path / "reads"
-    reads_dir.mkdir()
-    env = after_import(tmp_path, "train.data", """
+# A sitecustomize patch (conftest.after_import) of train.data: every training sample a rank reads (by the
+# (index, epoch) key of its data set) appended to READS_DIR/<pid>.txt as "rank epoch index" (num_workers=0).
+RECORD_READS = """
 import os
-real_datasets = module.datasets
-def datasets(cfg):
-    train, *rest = real_datasets(cfg)
+real_loaders = module.loaders
+def loaders(*args, **kwargs):
+    stream, evaluation = real_loaders(*args, **kwargs)
+    train = stream.loader.dataset
     base = type(train)
     log = open(os.path.join(os.environ["READS_DIR"], f"{os.getpid()}.txt"), "a", buffering=1)
     rank = os.environ.get("RANK", "0")
@@ -207,9 +203,19 @@ def datasets(cfg):
             log.write(f"{rank} {key[1]} {key[0]}\\n")
             return base.__getitem__(self, key)
     train.__class__ = Recorded
-    return (train, *rest)
-module.datasets = datasets
-""")
+    return stream, evaluation
+module.loaders = loaders
+"""
+
+
+def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
+    """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
+    in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
+    each epoch, each sample at most once: the start of torch's DistributedSampler permutation of the epoch
+    (seeded by seed + epoch), as far as the world sizes read it (none skipped but the last tail)."""
+    reads_dir = tmp_path / "reads"
+    reads_dir.mkdir()
+    env = after_import(tmp_path, "train.data", RECORD_READS)
     env["READS_DIR"] = str(reads_dir)
     run = tmp_path / "run"
     for world, steps in SEGMENTS:

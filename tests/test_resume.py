@@ -241,7 +241,7 @@ net.eval()
 with torch.no_grad():
     logits = net(torch.zeros(2, 3, 16, 16))
 print(json.dumps({{"train": sorted(m for m in sys.modules if m.split(".")[0] == "train"),
-                  "logits": list(logits.shape), "keys": sorted(state), "model": state["config"]["model"]["name"],
+                  "logits": list(logits.shape), "keys": sorted(state), "model": state["config"]["task"]["model"],
                   "ranks": len(state["rng"]), "step": state["step"]}}))
 """
     proc = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
