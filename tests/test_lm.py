@@ -86,10 +86,11 @@ def test_auto_format_reads_both_and_a_glob_or_eval_data_selects_files(tmp_path):
     with pytest.raises(ConfigError, match="named as a val shard"):
         task(data=str(tmp_path / "*train*.bin"), model="nano", seq_len=10).datasets()
     assert shards.split_of("fineweb_val_000001.bin") == "val" and shards.split_of("interval.bin") is None
+    assert shards.split_of("val_notes_train_000000.bin") is None  # both: neither (prepare never writes such names)
 
 
 def test_a_dataset_pickles_without_its_memory_maps(tmp_path):
-    shards.write_shard(tmp_path / "x_train.bin", np.arange(500, dtype=np.uint16), "llmc")
+    shards.write_shard(tmp_path / "x_train.bin", np.arange(5000, dtype=np.uint16), "llmc")
     ds = shards.TokenWindows([shards.open_shard(tmp_path / "x_train.bin")], 16)
     before = ds[3]
     blob = pickle.dumps(ds)
@@ -113,7 +114,7 @@ def malformed(tmp_path: Path, case: str) -> tuple[Path, str, str]:
         return path, "auto", "truncated"
     if case == "truncated header":
         shards.write_shard(path, toks, "llmc")
-        path.write_bytes(path.read_bytes()[:500])
+        path.write_bytes(path.read_bytes()[:8])  # not even the token count
         return path, "auto", "truncated"
     if case == "odd size":
         path.write_bytes(toks.tobytes() + b"\0")
