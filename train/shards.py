@@ -31,7 +31,7 @@ TOKEN = np.dtype("<u2")  # both formats: little-endian uint16 (vocabularies up t
 Format = Literal["auto", "llmc", "nanogpt"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
 class Shard:
     """Where a shard's tokens are: `count` uint16 from byte `offset` of `path`, or an in-memory `array`."""
 

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from train import shards
 from train.config import ConfigError
-from train.model import GPT, PRESETS, preset
+from train.model import GPT, PRESETS, GPTConfig, preset
 from train.task import Task
 
 # The built-in corpus: a random order-2 Markov chain over 64 tokens. Each token b has 8 possible successors,
@@ -49,11 +49,11 @@ class LanguageModel(Task):
         vocab_size: int = 0  # 0: the preset's for shards (gpt2 50304, tiny/nano 256 bytes); builtin: 64
         dropout: float = 0.0
         train_tokens: int = 2_000_000  # builtin data only
-        eval_tokens: int = 131_072  # builtin data only
+        eval_tokens: int = 65_536  # builtin data only
 
     unit = "tokens"
 
-    def gpt_config(self):
+    def gpt_config(self) -> GPTConfig:
         """The model's GPTConfig: the preset with the overrides that are set; its block size is seq_len."""
         c = self.cfg
         base = PRESETS[c.model]
@@ -97,7 +97,8 @@ class LanguageModel(Task):
             train_files = shards.split_shards(files, "train", c.data)
             val_files = shards.split_shards(files, "val", c.data)
         out = []
-        for key, paths in (("task.data", train_files), ("task.eval_data", val_files)):
+        val_key = "task.eval_data" if c.eval_data else "task.data"
+        for key, paths in (("task.data", train_files), (val_key, val_files)):
             opened = [shards.open_shard(p, c.format) for p in paths]
             for s in opened:
                 shards.check_vocab(s, g.vocab_size)
