@@ -1,0 +1,173 @@
+"""Token shards on disk, in the two formats people have, and the windows a language model trains on.
+
+- llm.c: a header of 256 int32 (magic 20240520, version 1, the number of tokens, then zeros), then the
+  tokens as uint16. The format of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...).
+- nanoGPT: the tokens as bare uint16, nothing else (its data/*/prepare.py: train.bin, val.bin).
+
+Shards are memory-mapped, never read whole: a TokenWindows holds only paths and lengths (it pickles in
+microseconds to every loader worker) and each process opens its memory maps on first access. A malformed
+shard is a ConfigError naming the file and what to do, found when the data set is built, not mid-run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from train.config import ConfigError
+
+MAGIC, VERSION = 20240520, 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN = np.dtype("<u2")  # both formats: little-endian uint16 (vocabularies up to 65536)
+Format = Literal["auto", "llmc", "nanogpt"]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
+class Shard:
+    """Where a shard's tokens are: `count` uint16 from byte `offset` of `path`, or an in-memory `array`."""
+
+    path: str
+    offset: int
+    count: int
+    array: np.ndarray | None = None  # the built-in corpus: no file
+
+    @classmethod
+    def of_array(cls, tokens: np.ndarray, name: str) -> Shard:
+        return cls(name, 0, len(tokens), np.ascontiguousarray(tokens, dtype=TOKEN))
+
+    def tokens(self) -> np.ndarray:
+        if self.array is not None:
+            return self.array
+        return np.memmap(self.path, dtype=TOKEN, mode="r", offset=self.offset, shape=(self.count,))
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, fmt: Literal["llmc", "nanogpt"] = "llmc") -> None:
+    """Write one shard. Token ids must fit uint16 (the GPT-2 encoding's 50257 do)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must be in [0, 65535] to be stored as uint16")
+    with open(path, "wb") as f:
+        if fmt == "llmc":
+            header = np.zeros(HEADER_INTS, dtype="<i4")
+            header[:3] = MAGIC, VERSION, len(tokens)
+            f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN).tobytes())
+
+
+def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
+    """Read and check a shard's header; auto tells the formats apart by llm.c's magic number (a bare
+    GPT-2-encoded file cannot start with it: its first two tokens would have to be 55000 and 308)."""
+    path = str(path)
+    try:
+        size = Path(path).stat().st_size
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4", count=min(size, HEADER_BYTES) // 4)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the shard ({e.strerror or e})") from None
+    has_magic = len(head) > 0 and head[0] == MAGIC
+    if fmt == "nanogpt" or (fmt == "auto" and not has_magic):
+        if size % 2:
+            raise ConfigError(f"{path}: {size} bytes is not a whole number of uint16 tokens: truncated, or not "
+                              "a token shard (nanoGPT's bare uint16 format; an llm.c shard starts with 20240520)")
+        return Shard(path, 0, size // 2)
+    if not has_magic:
+        found = head[0] if len(head) else "nothing"
+        raise ConfigError(f"{path}: bad magic number {found}, not an llm.c shard (20240520); "
+                          "for nanoGPT's bare uint16 files set task.format=nanogpt or auto")
+    if len(head) < HEADER_INTS:
+        raise ConfigError(f"{path}: truncated: {size} bytes, shorter than llm.c's 1024-byte header")
+    if head[1] != VERSION:
+        raise ConfigError(f"{path}: llm.c shard version {head[1]}, expected {VERSION} (uint16 tokens)")
+    count = int(head[2])
+    expected = HEADER_BYTES + 2 * count
+    if size != expected:
+        what = "truncated" if size < expected else "has trailing bytes"
+        raise ConfigError(f"{path}: {what}: its header says {count} tokens ({expected} bytes), the file has "
+                          f"{size} bytes; write it again (python -m train.prepare)")
+    return Shard(path, HEADER_BYTES, count)
+
+
+def check_vocab(shard: Shard, vocab_size: int) -> None:
+    """Every token id must be < vocab_size: an out-of-range id would fail deep inside the embedding (or
+    silently on some GPUs). One pass over the memory map, ~0.1 s per 100M tokens."""
+    if shard.count == 0:
+        return
+    top = int(shard.tokens().max())
+    if top >= vocab_size:
+        raise ConfigError(f"{shard.path}: token id {top} >= task.vocab_size {vocab_size}: tokenized with a larger "
+                          f"vocabulary? set task.vocab_size (GPT-2's encoding: 50257, padded 50304)")
+
+
+SPLIT_WORDS = {"train": {"train"}, "val": {"val", "valid", "validation"}}
+
+
+def split_of(path: str | Path) -> str | None:
+    """"train" or "val" from a shard's name, the way llm.c (fineweb_val_000000.bin) and nanoGPT (val.bin)
+    name them: as a word of the file's stem, so "interval.bin" is neither."""
+    words = set(re.split(r"[^a-z0-9]+", Path(path).stem.lower()))
+    found = [split for split, names in SPLIT_WORDS.items() if words & names]
+    return found[0] if len(found) == 1 else None
+
+
+def find_shards(spec: str, key: str = "task.data") -> list[str]:
+    """A shard file, a folder (its *.bin), or a glob -> the sorted list of files; ConfigError if none."""
+    if any(c in spec for c in "*?["):
+        files = sorted(p for p in glob.glob(spec) if Path(p).is_file())
+    elif Path(spec).is_dir():
+        files = sorted(str(p) for p in Path(spec).glob("*.bin") if p.is_file())
+    elif Path(spec).is_file():
+        files = [spec]
+    else:
+        raise ConfigError(f"{key}: {spec} does not exist (a shard file, a folder of *.bin shards, or a glob)")
+    if not files:
+        raise ConfigError(f"{key}: no shard matches {spec} (.bin files: make them with python -m train.prepare)")
+    return files
+
+
+def split_shards(files: list[str], split: str, spec: str, key: str = "task.data") -> list[str]:
+    """The files whose names say `split`; ConfigError naming the convention if none does."""
+    chosen = [f for f in files if split_of(f) == split]
+    if not chosen:
+        raise ConfigError(f"{key}: no shard in {spec} is named as a {split} shard (llm.c's *_{split}_*.bin or "
+                          f"nanoGPT's {split}.bin)" + ("; or set task.eval_data" if split == "val" else ""))
+    return chosen
+
+
+class TokenWindows(Dataset):
+    """Windows of seq_len + 1 tokens over a list of shards: item i is (x, y) = (w[:-1], w[1:]) as int64.
+
+    Windows start every seq_len tokens (each token is a target once) and never cross a shard boundary:
+    window i is the same tokens whatever the world size or resume point, which is all the trainer's sampler
+    needs to give a resumed or resized run exactly the windows of an uninterrupted one.
+    """
+
+    def __init__(self, shards: list[Shard], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        counts = [max(0, (s.count - 1) // seq_len) for s in shards]
+        self.starts = np.cumsum([0] + counts).tolist()  # window index where each shard begins
+        self._maps: list[np.ndarray | None] = [None] * len(shards)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": [None] * len(self.shards)}  # memory maps are reopened per process
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        k = bisect.bisect_right(self.starts, index) - 1
+        if self._maps[k] is None:
+            self._maps[k] = self.shards[k].tokens()
+        begin = (index - self.starts[k]) * self.seq_len
+        w = torch.from_numpy(self._maps[k][begin:begin + self.seq_len + 1].astype(np.int64))
+        return w[:-1], w[1:]

@@ -1,0 +1,198 @@
+"""A causal language model: GPT-2 (train/model.py) on token shards, or on a corpus generated from the seed.
+
+    task:
+      name: train.tasks.gpt:LanguageModel
+      data: data/fineweb10B        # llm.c's or nanoGPT's .bin shards: *train*.bin trains, *val*.bin evaluates
+      model: gpt2                  # the 124M preset, to compare with llm.c and nanoGPT
+      seq_len: 1024
+
+`python -m train.prepare` makes shards from text files. Throughput is counted in tokens, evaluation logs the
+loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from train import shards
+from train.config import ConfigError
+from train.model import GPT, PRESETS, GPTConfig, preset
+from train.task import Task
+
+# The built-in corpus: a random order-2 Markov chain over 64 tokens. Each token b has 8 possible successors,
+# and each pair (a, b) uses 3 of those with random probabilities; with probability 0.05 the next token is
+# uniform instead (every state stays reachable). A model that learns which tokens follow b gets the loss
+# from ~4.07 nats (the unigram entropy) to ~2.1; one that also attends to a, the token before, to ~1.2.
+BUILTIN_VOCAB, CANDIDATES, BRANCH, NOISE = 64, 8, 3, 0.05
+STREAMS, CHUNK_STEPS = 256, 4096  # the corpus is runs of the chain of 4096 tokens (builtin_tokens)
+
+
+class LanguageModel(Task):
+    @dataclass
+    class Config:
+        data: str = "builtin"  # builtin, or llm.c/nanoGPT shards: a folder, a .bin file or a glob
+        eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        model: Literal["gpt2", "tiny", "nano"] = "tiny"  # a preset of train/model.py
+        seq_len: int = 0  # tokens per window; 0: the preset's block size (gpt2 1024, tiny 128, nano 64)
+        n_layer: int = 0  # 0: the preset's
+        n_head: int = 0  # 0: the preset's
+        n_embd: int = 0  # 0: the preset's
+        vocab_size: int = 0  # 0: the preset's for shards (gpt2 50304, tiny/nano 256 bytes); builtin: 64
+        dropout: float = 0.0
+        train_tokens: int = 2_000_000  # builtin data only
+        eval_tokens: int = 65_536  # builtin data only
+
+    unit = "tokens"
+
+    def gpt_config(self) -> GPTConfig:
+        """The model's GPTConfig: the preset with the overrides that are set; its block size is seq_len."""
+        c = self.cfg
+        base = PRESETS[c.model]
+        vocab = c.vocab_size or (BUILTIN_VOCAB if c.data == "builtin" else base.vocab_size)
+        return preset(c.model, n_layer=c.n_layer or base.n_layer, n_head=c.n_head or base.n_head,
+                      n_embd=c.n_embd or base.n_embd, vocab_size=vocab, block_size=c.seq_len or base.block_size,
+                      dropout=c.dropout)
+
+    def check(self) -> None:
+        c = self.cfg
+        for key in ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size"):
+            if getattr(c, key) < 0:
+                raise ConfigError(f"task.{key} must be >= 0 (0: the preset's), got {getattr(c, key)}")
+        g = self.gpt_config()
+        if g.n_embd % g.n_head:
+            raise ConfigError(f"task.n_embd ({g.n_embd}) must be a multiple of task.n_head ({g.n_head})")
+        if not 0 <= c.dropout < 1:
+            raise ConfigError(f"task.dropout must be in [0, 1), got {c.dropout}")
+        if c.data == "builtin":
+            if g.vocab_size < BUILTIN_VOCAB:
+                raise ConfigError(f"task.vocab_size: the builtin corpus has {BUILTIN_VOCAB} tokens, got {g.vocab_size}")
+            for key in ("train_tokens", "eval_tokens"):
+                if getattr(c, key) <= g.block_size:
+                    raise ConfigError(f"task.{key} must be > seq_len ({g.block_size}), got {getattr(c, key)}")
+        elif g.vocab_size > 2**16:
+            raise ConfigError(f"task.vocab_size: shards hold uint16 token ids (< 65536), got {g.vocab_size}")
+        if c.eval_data and c.data == "builtin":
+            raise ConfigError("task.eval_data is for shards; the builtin corpus has its own evaluation split")
+
+    def datasets(self) -> tuple[Dataset, Dataset]:
+        c, g = self.cfg, self.gpt_config()
+        if c.data == "builtin":
+            train = shards.Shard.of_array(builtin_tokens(self.seed, c.train_tokens, "train"), "builtin:train")
+            val = shards.Shard.of_array(builtin_tokens(self.seed, c.eval_tokens, "val"), "builtin:val")
+            return shards.TokenWindows([train], g.block_size), shards.TokenWindows([val], g.block_size)
+        files = shards.find_shards(c.data)
+        if c.eval_data:
+            named = [f for f in files if shards.split_of(f) == "train"]
+            train_files, val_files = named or files, shards.find_shards(c.eval_data, "task.eval_data")
+        else:
+            train_files = shards.split_shards(files, "train", c.data)
+            val_files = shards.split_shards(files, "val", c.data)
+        out = []
+        val_key = "task.eval_data" if c.eval_data else "task.data"
+        for key, paths in (("task.data", train_files), (val_key, val_files)):
+            opened = [shards.open_shard(p, c.format) for p in paths]
+            for s in opened:
+                shards.check_vocab(s, g.vocab_size)
+            ds = shards.TokenWindows(opened, g.block_size)
+            if len(ds) == 0:
+                raise ConfigError(f"{key}: no window of seq_len + 1 = {g.block_size + 1} tokens fits in any "
+                                  f"shard of {', '.join(paths)}; lower task.seq_len")
+            out.append(ds)
+        return out[0], out[1]
+
+    def model(self) -> nn.Module:
+        return GPT(self.gpt_config())
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # autocast computes it in fp32
+
+    def eval_step(self, model: nn.Module, batch) -> dict:
+        x, y = batch
+        logits = model(x).float()
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        if "loss" not in means:
+            return means
+        return {**means, "perplexity": math.exp(min(means["loss"], 700.0))}  # exp(710) overflows a float
+
+    def units_per_sample(self) -> int:
+        return self.gpt_config().block_size
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        """nanoGPT's estimate_mfu (the PaLM paper's appendix B count), per window of T tokens:
+        T * (6N + 12 * n_layer * n_embd * T), N the parameters without the position embeddings (the tied
+        token embeddings count, as the output layer's matmul). Counted on `model`, whatever wraps it."""
+        g = self.gpt_config()
+        T = g.block_size
+        n = sum(p.numel() for p in model.parameters()) - T * g.n_embd
+        return float(T * (6 * n + 12 * g.n_layer * g.n_embd * T))
+
+
+def builtin_chain(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The Markov chain of the built-in corpus: successors (64, 64, 3) and their probabilities, for each
+    pair (a, b) of previous tokens. From the seed only, so every rank has the same."""
+    rng = np.random.default_rng([seed, 0x6C6D])
+    candidates = np.stack([rng.choice(BUILTIN_VOCAB, CANDIDATES, replace=False) for _ in range(BUILTIN_VOCAB)])
+    pick = np.argsort(rng.random((BUILTIN_VOCAB, BUILTIN_VOCAB, CANDIDATES)), axis=2)[:, :, :BRANCH]
+    successors = candidates[np.arange(BUILTIN_VOCAB)[None, :, None], pick]  # b's candidates, for every a
+    probs = rng.dirichlet(np.ones(BRANCH), size=(BUILTIN_VOCAB, BUILTIN_VOCAB))
+    return successors, probs
+
+
+def builtin_tokens(seed: int, n: int, split: Literal["train", "val"]) -> np.ndarray:
+    """n tokens of the built-in corpus (uint16), ~0.1 s per million. The splits are different runs of the same
+    chain. Made of chunks of STREAMS runs of CHUNK_STEPS tokens, generated side by side (numpy steps all the
+    runs at once) and laid end to end; chunk k comes from (seed, split, k), so a longer corpus only adds
+    chunks: builtin_tokens(seed, m, split) starts with builtin_tokens(seed, n, split) for m > n."""
+    successors, probs = builtin_chain(seed)
+    cdf = np.cumsum(probs, axis=2)[:, :, :-1]
+    chunks = []
+    for chunk in range(-(-n // (STREAMS * CHUNK_STEPS))):
+        rng = np.random.default_rng([seed, 0x6C6D, 1 if split == "train" else 2, chunk])
+        out = np.empty((CHUNK_STEPS, STREAMS), dtype=np.uint16)
+        a, b = rng.integers(BUILTIN_VOCAB, size=(2, STREAMS))
+        for t in range(CHUNK_STEPS):
+            k = (rng.random(STREAMS)[:, None] > cdf[a, b]).sum(1)  # inverse CDF: which of the 3 successors
+            noise = rng.random(STREAMS) < NOISE
+            c = np.where(noise, rng.integers(BUILTIN_VOCAB, size=STREAMS), successors[a, b, k])
+            out[t] = c
+            a, b = b, c
+        chunks.append(out.T.reshape(-1))
+    return np.concatenate(chunks)[:n]
+
+
+@dataclass(frozen=True)
+class Entropies:
+    """Of the built-in corpus, in nats per token, exact (from the chain's stationary distribution)."""
+
+    unigram: float  # the best loss without context: a model that learned nothing but token frequencies
+    bigram: float  # given the previous token
+    rate: float  # given the previous two: the lowest loss any model can reach
+
+
+def builtin_entropy(seed: int) -> Entropies:
+    V = BUILTIN_VOCAB
+    successors, probs = builtin_chain(seed)
+    P = np.full((V, V, V), NOISE / V)  # P[a, b, c] = p(next = c | a, b)
+    np.add.at(P, (np.arange(V)[:, None, None], np.arange(V)[None, :, None], successors), (1 - NOISE) * probs)
+    pair = np.full((V, V), 1.0 / V**2)  # p(a, b), iterated to the stationary distribution
+    for _ in range(200):
+        pair = np.einsum("ab,abc->bc", pair, P)
+    unigram = pair.sum(0)
+    following = np.einsum("ab,abc->bc", pair, P)  # p(b, c)
+    return Entropies(unigram=float(-(unigram * np.log(unigram)).sum()),
+                     bigram=float(-(following * np.log(following / following.sum(1, keepdims=True))).sum()),
+                     rate=float(-(pair[:, :, None] * P * np.log(P)).sum()))
