@@ -94,8 +94,8 @@ def text(run_dir: Path, train: list[dict], evals: list[dict], summary: dict | No
     loss = f"train loss {train[0]['loss']:.4f} (step {train[0]['step']}) -> {last['loss']:.4f} (step {last['step']})"
     if evals:
         key, last = headline(evals), evals[-1]
-        loss += "; " + ", ".join(f"{k[5:].replace('_', ' ')} {last[k]:.4f}" for k in dict.fromkeys(["eval_loss", key])
-                                 if k in last)
+        shown = [k for k in dict.fromkeys(["eval_loss", key]) if k in last]
+        loss += "; eval " + ", ".join(f"{k[5:].replace('_', ' ')} {last[k]:.4f}" for k in shown)
         if scored := [r for r in evals if "eval_loss" in r]:  # lower is better for every task's loss
             best = min(scored, key=lambda r: r["eval_loss"])
             loss += f" (best eval loss {best['eval_loss']:.4f} at step {best['step']})"
