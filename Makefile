@@ -36,7 +36,7 @@ test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: dev
-	$(VENV)/bin/ruff check train tests bench
+	$(VENV)/bin/ruff check train tests bench examples
 
 # Benchmarks (minutes; figures, not pass/fail): BENCHMARKS.md and BENCHMARKS.png.
 # GPU figures need a GPU, or GPU_JSON=file written by `bench/gpu.py --json file` on one.
