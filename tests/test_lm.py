@@ -303,3 +303,12 @@ def test_a_few_steps_of_the_nano_model_on_the_builtin_corpus_reduce_the_loss():
     first, last = (r["loss"].item() / r["count"] for r in (before, after))
     assert first == pytest.approx(math.log(BUILTIN_VOCAB), abs=0.1)  # GPT-2's init: uniform predictions
     assert last < 0.85 * builtin_entropy(0).unigram, (first, last)
+
+
+def test_forward_is_one_graph_for_torch_compile():
+    """No graph break (fullgraph=True fails on one): what torch.compile needs to be fast. The eager backend
+    checks the tracing only, without a compiler."""
+    torch.manual_seed(0)
+    m = GPT(preset("nano"))
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(torch.compile(m, backend="eager", fullgraph=True)(x), m(x))
