@@ -13,10 +13,16 @@ from train.config import ConfigError
 from train.tasks.image import RESNETS
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "examples").glob("*.yaml")]),
+                         ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path):
     cfg = config.load(str(path), [])
-    assert cfg.train.steps > 0 and cfg.task.model in RESNETS
+    assert cfg.train.steps > 0 and cfg.task_name.split(":")[-1] in type(cfg.task).__qualname__
+    if cfg.task_name == "train.tasks.image:ImageClassification":
+        assert cfg.task.model in RESNETS
+    # The resolved config (what config.yaml and every checkpoint hold) loads back to the same config.
+    again = config.from_dict(config.to_dict(cfg))
+    assert config.to_dict(again) == config.to_dict(cfg) and again.task_class is cfg.task_class
 
 
 def test_overrides_are_typed():
