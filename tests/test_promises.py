@@ -188,7 +188,7 @@ def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
 
 
 # A sitecustomize patch (conftest.after_import) of train.data: every training sample a rank reads (by the
-# (index, epoch) key of its data set) appended to READS_DIR/<pid>.txt as "rank epoch index" (num_workers=0).
+# (index, epoch) key its data set is read by) appended to READS_DIR/<pid>.txt as "rank epoch index" (num_workers=0).
 RECORD_READS = """
 import os
 real_loaders = module.loaders
@@ -199,9 +199,9 @@ def loaders(*args, **kwargs):
     log = open(os.path.join(os.environ["READS_DIR"], f"{os.getpid()}.txt"), "a", buffering=1)
     rank = os.environ.get("RANK", "0")
     class Recorded(base):
-        def __getitem__(self, key):
-            log.write(f"{rank} {key[1]} {key[0]}\\n")
-            return base.__getitem__(self, key)
+        def _seeded(self, index, epoch):
+            log.write(f"{rank} {epoch} {index}\\n")
+            return base._seeded(self, index, epoch)
     train.__class__ = Recorded
     return stream, evaluation
 module.loaders = loaders

@@ -1,7 +1,8 @@
 """`python -m train --config configs/X.yaml key.sub=value ...`: the one way to start training.
 
 Data flows one way: CLI -> config -> distributed setup -> model/optimizer/loaders -> resume -> fit ->
-checkpoint -> teardown. Config errors are found before torch is even imported: one line, exit 2.
+checkpoint -> teardown. Config errors are found before any process group exists: one line, exit 2 (the task.name
+module is imported to check its keys).
 """
 
 from __future__ import annotations
