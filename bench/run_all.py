@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _util import PY, ROOT
 
-BENCHES = ["overhead", "throughput", "checkpoint", "recovery", "gpu"]
+BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "gpu"]
 
 # (figure, key, goal text, is the goal met?)
 ROWS = [
@@ -32,6 +32,12 @@ ROWS = [
     ("  goal met by more than the spread (1.02 - median > max - min)", "overhead_goal_met", "yes",
      lambda v: v is True),
     ("overhead: final weights bitwise equal to the same math in a bare loop", "bitwise_equal", "yes",
+     lambda v: v is True),
+    ("overhead, language model: python -m train / a nanoGPT-style DDP loop, step time, median of rounds "
+     "(2 gloo procs, CPU)", "lm_overhead_ratio", "<= 1.02", None),
+    ("  min of rounds", "lm_overhead_ratio_min", "", None),
+    ("  max of rounds", "lm_overhead_ratio_max", "", None),
+    ("  goal met by more than the spread (1.02 - median > max - min)", "lm_overhead_goal_met", "yes",
      lambda v: v is True),
     ("same 2 cores: samples/s, 1 process x 2 threads, CPU (not scaling)", "samples_per_s_1proc", "", None),
     ("same 2 cores: samples/s, 2 gloo processes x 1 thread, CPU (not scaling)", "samples_per_s_2proc", "", None),
