@@ -86,7 +86,7 @@ def main() -> None:
           f"spread: {'met' if met else 'NOT met'}")
     print(f"final weights bitwise equal to the same math in a hand-written loop: {equal} (goal: yes)")
     write_json(args.json, {"overhead_ratio": s["median"], "overhead_ratio_min": s["min"],
-                           "overhead_ratio_max": s["max"], "overhead_goal_met": met,
+                           "overhead_ratio_max": s["max"], "overhead_goal_met": met, "overhead_ratios": ratios,
                            "user_s_per_step": statistics.median(user_t), "train_s_per_step": statistics.median(ours_t),
                            "bitwise_equal": equal, "rounds": args.rounds, "python": PY})
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _util import PY, ROOT
 
-BENCHES = ["overhead", "throughput", "checkpoint", "recovery", "gpu"]
+BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "gpu"]
 
 # (figure, key, goal text, is the goal met?)
 ROWS = [
@@ -32,6 +32,12 @@ ROWS = [
     ("  goal met by more than the spread (1.02 - median > max - min)", "overhead_goal_met", "yes",
      lambda v: v is True),
     ("overhead: final weights bitwise equal to the same math in a bare loop", "bitwise_equal", "yes",
+     lambda v: v is True),
+    ("overhead, language model: python -m train / a nanoGPT-style DDP loop, step time, median of rounds "
+     "(2 gloo procs, CPU)", "lm_overhead_ratio", "<= 1.02", None),
+    ("  min of rounds", "lm_overhead_ratio_min", "", None),
+    ("  max of rounds", "lm_overhead_ratio_max", "", None),
+    ("  goal met by more than the spread (1.02 - median > max - min)", "lm_overhead_goal_met", "yes",
      lambda v: v is True),
     ("same 2 cores: samples/s, 1 process x 2 threads, CPU (not scaling)", "samples_per_s_1proc", "", None),
     ("same 2 cores: samples/s, 2 gloo processes x 1 thread, CPU (not scaling)", "samples_per_s_2proc", "", None),
@@ -97,6 +103,7 @@ def main() -> None:
     args = p.parse_args()
     figures: dict = {}
     gpu_note = "measured here"
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-") as d:
         for name in BENCHES:
             if name == "gpu" and args.gpu_json:
@@ -131,6 +138,8 @@ def main() -> None:
         f"- machine: {socket.gethostname()}, {platform.platform()}, {os.cpu_count()} CPUs",
         f"- versions: Python {platform.python_version()}, torch {torch.__version__}, "
         f"torchvision {torchvision.__version__}, commit {commit.stdout.strip() or 'unknown'}",
+        f"- load average (1, 5, 15 min) before / after: {', '.join(f'{x:.1f}' for x in load_before)} / "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (other jobs slow rounds unevenly)",
         f"- GPU figures: {gpu_note}" + (f" ({figures['device']})" if "device" in figures else ""), "",
         "| figure | value | goal | met |", "| --- | --- | --- | --- |",
     ]
@@ -141,6 +150,13 @@ def main() -> None:
         v = figures[key]
         met = "" if check is None else ("yes" if check(v) else "**no**")
         lines.append(f"| {label} | {fmt(v)} | {goal} | {met} |")
+    rounds = [(what, figures[key]) for what, key in (("ResNet-18, python -m train / the user's DDP loop",
+                                                         "overhead_ratios"),
+                                                        ("GPT, python -m train / the nanoGPT-style loop",
+                                                         "lm_overhead_ratios")) if key in figures]
+    if rounds:
+        lines += ["", "Step-time ratio of each round, in run order (the rounds alternate which loop runs first):", ""]
+        lines += [f"- {what}: {', '.join(f'{r:.3f}' for r in values)}" for what, values in rounds]
     lines += ["", f"![ratios against their goals]({png.name})", ""]
     out.write_text("\n".join(lines))
     print(f"wrote {out} and {png}")

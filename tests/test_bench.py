@@ -15,7 +15,8 @@ def test_benchmarks_smoke_writes_the_results_page(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     page = out.read_text()
     for figure in ("overhead: python -m train / the user's DDP loop", "goal met by more than the spread",
-                   "final weights bitwise equal to the same math", "same 2 cores: 2 processes / 1 process",
+                   "final weights bitwise equal to the same math",
+                   "overhead, language model: python -m train / a nanoGPT", "same 2 cores: 2 processes / 1 process",
                    "data wait share of a step, ImageFolder",
                    "checkpoint save / bare torch.save", "checkpoint save / the disk's write",
                    "checkpoint load / torch.load(mmap=True)", "async save: training blocked",
