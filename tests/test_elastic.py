@@ -84,6 +84,14 @@ def _state(proc: Path) -> str:
     return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def latest_step(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint (0: none yet)."""
+    try:
+        return int("".join(c for c in (run_dir / "checkpoints" / "latest").read_text() if c.isdigit()) or 0)
+    except OSError:
+        return 0
+
+
 def reached(run_dir: Path, step: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
 
@@ -205,7 +213,10 @@ def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
         log0 = tmp_path / "logs" / "rank0.log"
         wait_for(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
         grown_at = max(m["step"] for m in metrics(tmp_path))
-        wait_for(lambda: reached(tmp_path, grown_at + 5), 120, "steps with 2 nodes")
+        # Until the 2-node group's checkpoint is complete (`latest` names it): a loss is logged before its
+        # step's save ends, and a kill during that save resumes from the 1-node checkpoint (no change seen).
+        wait_for(lambda: reached(tmp_path, grown_at + 5) and latest_step(tmp_path) > grown_at, 120,
+                 "a checkpoint of the 2-node group")
         kill_tree(b.pid)  # node B is lost: launcher, agent and workers
         rc, out, err = finish(a)
     finally:
