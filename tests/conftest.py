@@ -110,6 +110,21 @@ def latest_state(run_dir: Path) -> dict:
     return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
 
 
+def assert_same_training(reference: Path, run: Path) -> None:
+    """The newest checkpoints of two runs hold bitwise the same weights and optimizer state, and the runs
+    logged the same loss at the same steps: what a resume promises against an uninterrupted run."""
+    a, b = latest_state(reference), latest_state(run)
+    assert a["step"] == b["step"], (a["step"], b["step"])
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), f"model {k} differs from the uninterrupted run"
+    for i, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
+    losses = [(m["step"], m["loss"]) for m in metrics(run) if "loss" in m]
+    assert losses == [(m["step"], m["loss"]) for m in metrics(reference) if "loss" in m]
+
+
 # `make test` runs the files two at a time (pytest-xdist's --dist loadfile, one per core): a file's tests
 # run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster,
 # test_container's Docker engine and compose project) never shares it, and the tests that mostly wait (stop

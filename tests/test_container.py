@@ -19,11 +19,10 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from tests import engine
-from tests.conftest import ROOT, TINY, latest_state, metrics, summary
+from tests.conftest import ROOT, TINY, assert_same_training, latest_state, summary
 from tests.engine import docker
 from tests.multinode import dockerfile_instructions, final_stage, image_exec, required, workdir
 from tests.procs import logged_steps, wait_for
@@ -332,14 +331,7 @@ def test_docker_stop_saves_exits_75_and_docker_start_resumes_bitwise(image, volu
     wait_for(lambda: state(name)[0] == "exited", 600, "the resumed run to end")
     assert state(name)[1] == 0, logs(name)
     assert summary(run_dir)["steps"] == 40
-    reference, resumed = latest_state(uninterrupted), latest_state(run_dir)
-    for k, v in reference["model"].items():
-        assert torch.equal(v, resumed["model"][k]), f"model {k} differs from the uninterrupted run"
-    for i, st in reference["optimizer"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, resumed["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
-    losses = [(m["step"], m["loss"]) for m in metrics(run_dir) if "loss" in m]
-    assert losses == [(m["step"], m["loss"]) for m in metrics(uninterrupted) if "loss" in m]
+    assert_same_training(uninterrupted, run_dir)
 
 
 def test_the_example_user_task_trains_in_the_image(image, volume):

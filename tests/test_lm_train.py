@@ -9,9 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from tests.conftest import PY, ROOT, after_import, clean_env, latest_state, metrics, summary
+from tests.conftest import PY, ROOT, after_import, assert_same_training, clean_env, latest_state, metrics, summary
 from tests.procs import finish, logged_steps, wait_for
 from tests.test_promises import RECORD_READS
 
@@ -63,13 +62,7 @@ def test_bf16_accumulation_stop_mid_epoch_and_bitwise_resume(tmp_path):
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          start_new_session=True))
     assert rc == 0, err[-3000:]
-    a, b = latest_state(ref), latest_state(run)
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), f"model {k} differs from the uninterrupted run"
-    for i, st in a["optimizer"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
-    assert [(m["step"], m["loss"]) for m in metrics(run) if "loss" in m] == [(m["step"], m["loss"]) for m in train]
+    assert_same_training(ref, run)
     assert summary(run)["eval_loss"] == s["eval_loss"]
 
 
