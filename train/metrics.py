@@ -71,23 +71,14 @@ def flops_per_sample(task, model: torch.nn.Module, batch) -> float:
 
     from torch.utils.flop_counter import FlopCounterMode
 
+    from train.task import first_tensor
+
+    first = first_tensor(batch)
     twin = copy.deepcopy(model)
-    with torch.random.fork_rng(devices=[batch_device(batch)] if batch_device(batch).type == "cuda" else []):
+    with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
         with FlopCounterMode(display=False) as counter:
             task.loss(twin, batch).backward()
-    return counter.get_total_flops() / _batch_len(batch)
-
-
-def batch_device(batch) -> torch.device:
-    while not torch.is_tensor(batch):
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return batch.device
-
-
-def _batch_len(batch) -> int:
-    while not torch.is_tensor(batch):
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return int(batch.shape[0])
+    return counter.get_total_flops() / int(first.shape[0])
 
 
 class StepMeter:

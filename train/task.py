@@ -68,7 +68,7 @@ class Task:
     def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor | float]:
         """Sums over one evaluation batch, and "count": what they are averaged over. The trainer sums them
         over all batches and ranks and logs eval_<key> = sum / count. Default: the loss per sample."""
-        n = _batch_len(batch)
+        n = int(first_tensor(batch).shape[0])
         return {"loss": self.loss(model, batch).float() * n, "count": n}
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
@@ -85,10 +85,12 @@ class Task:
         return None
 
 
-def _batch_len(batch: Any) -> int:
+def first_tensor(batch: Any) -> torch.Tensor:
+    """The first tensor of a collated batch (a tensor, or tuples, lists and dicts of them): its length is
+    the batch's, its device the batch's."""
     while not hasattr(batch, "shape"):
         batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return int(batch.shape[0])
+    return batch
 
 
 REQUIRED = ("datasets", "model", "loss")
