@@ -251,6 +251,35 @@ def _model_mismatch(expected: dict, got: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def model_state(parts) -> tuple[dict, dict]:
+    """The whole model's and optimizer's state dicts. Under FSDP (parameters sharded over the ranks) they are
+    gathered to rank 0's memory, which alone gets them (the others get empty dicts): every rank calls this."""
+    from train.parallel import sharded
+
+    if not sharded(parts.raw):
+        return parts.raw.state_dict(), parts.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(parts.raw, options=opts),
+            get_optimizer_state_dict(parts.raw, parts.optimizer, options=opts))
+
+
+def load_model_state(parts, model: dict, optimizer: dict) -> None:
+    """model_state()'s dicts back into the model and optimizer; under FSDP each rank keeps its shards of them."""
+    from train.parallel import sharded
+
+    if not sharded(parts.raw):
+        parts.raw.load_state_dict(model)
+        parts.optimizer.load_state_dict(optimizer)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(parts.raw, model, options=opts)
+    set_optimizer_state_dict(parts.raw, parts.optimizer, optimizer, options=opts)
+
+
 def check_fresh_start(cfg: Config) -> None:
     """resume=never starts afresh, which must not overwrite an earlier run's checkpoints and metrics."""
     if cfg.resume != "never":
@@ -340,13 +369,14 @@ class Checkpointer:
                 "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
         ranks = [None] * self.world_size
         dist.all_gather_object(ranks, mine)
+        model, optimizer = model_state(parts)  # collective under FSDP
         if self.rank != 0:
             return
         self.wait()  # the next save waits for the previous one
         state = {
             "format": FORMAT,
-            "model": parts.raw.state_dict(),
-            "optimizer": parts.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scaler": parts.scaler.state_dict(),
             "step": parts.step,
             "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
@@ -547,8 +577,11 @@ class Checkpointer:
         if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
             raise ConfigError(f"checkpoint {path} does not match the model of this run{_task_diff(self.cfg, state)}: "
                               f"{problem}")
-        parts.raw.load_state_dict(state["model"])
-        parts.optimizer.load_state_dict(state["optimizer"])
+        was = state.get("config", {}).get("dist", {}).get("strategy", "ddp")
+        if was != self.cfg.dist.strategy:  # the optimizer's state is keyed by parameter names under FSDP
+            raise ConfigError(f"checkpoint {path} was trained with dist.strategy={was}: resume it with the same "
+                              f"strategy (this run has dist.strategy={self.cfg.dist.strategy})")
+        load_model_state(parts, state["model"], state["optimizer"])
         if parts.scaler.is_enabled() and not state["scaler"]:
             was = state.get("config", {}).get("train", {}).get("precision", "fp32/bf16")
             self.log.warning(f"checkpoint {path} was trained in {was} (no loss scaler): train.precision=fp16 "

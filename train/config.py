@@ -63,11 +63,14 @@ class TrainConfig:
     compile: bool = False
     tf32: bool = True  # TF32 matmuls and convolutions on GPUs that have them
     deterministic: bool = False  # deterministic kernels (slower on GPU; CPU is deterministic anyway)
+    activation_checkpointing: bool = False  # recompute each of the task's blocks in the backward (less memory)
 
 
 @dataclass
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 (fully_shard) per block of the task and at the root
+    reshard_after_forward: bool = True  # fsdp: free the gathered parameters after each block's forward
     timeout_s: float = 600.0  # init and collectives; a hung rank fails the job after this
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True
@@ -355,6 +358,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(d.prefetch_factor > 0, f"data.prefetch_factor must be > 0, got {d.prefetch_factor}")
     _require(cfg.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {cfg.dist.timeout_s}")
     _require(cfg.dist.bucket_cap_mb > 0, f"dist.bucket_cap_mb must be > 0, got {cfg.dist.bucket_cap_mb}")
+    for key in ("static_graph", "find_unused_parameters"):
+        _require(cfg.dist.strategy == "ddp" or not getattr(cfg.dist, key),
+                 f"dist.{key} is a DDP option: it has no meaning with dist.strategy={cfg.dist.strategy}")
     _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     _require(c.keep >= 2, f"checkpoint.keep must be >= 2, got {c.keep}")
     _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
@@ -363,6 +369,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_observability(cfg)
     if cfg.task_class is not None:
         cfg.task_class(cfg.task, cfg.seed).check()
+        from train.task import Task
+
+        _require(not t.activation_checkpointing or cfg.task_class.blocks is not Task.blocks,
+                 f"train.activation_checkpointing: task {cfg.task_name} names no blocks to recompute "
+                 "(define its blocks(model): see train/task.py)")
     if world_size is not None:
         per_step = t.micro_batch_size * world_size
         _require(t.global_batch_size % per_step == 0,

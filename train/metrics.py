@@ -63,22 +63,39 @@ def peak_flops(device_name: str, precision: str, tf32: bool) -> float | None:
 
 def flops_per_sample(task, model: torch.nn.Module, batch) -> float:
     """Forward + backward FLOPs of one training sample: the task's own count, or torch's FlopCounterMode
-    over one step of its loss on `batch` (two samples of its data) run on a copy of the model, so that
-    the real model, its gradients and the random state are untouched."""
+    over one step of its loss on `batch` (two samples of its data) run on a copy of the model (under FSDP:
+    a new one on the meta device), so that the real model, its gradients and the random state are untouched."""
     if (flops := task.flops_per_sample(model)) is not None:
         return float(flops)
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode
 
+    from train.parallel import sharded
     from train.task import first_tensor
 
+    if sharded(model):  # a copy would gather and reduce-scatter on its own: the whole model, on no memory
+        batch = _to_meta(batch)
     first = first_tensor(batch)
-    twin = copy.deepcopy(model)
     with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
+        if sharded(model):
+            with torch.device("meta"):
+                twin = task.model()
+        else:
+            twin = copy.deepcopy(model)
         with FlopCounterMode(display=False) as counter:
             task.loss(twin, batch).backward()
     return counter.get_total_flops() / int(first.shape[0])
+
+
+def _to_meta(batch):
+    if torch.is_tensor(batch):
+        return batch.to("meta")
+    if isinstance(batch, dict):
+        return {k: _to_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_meta(v) for v in batch)
+    return batch
 
 
 class StepMeter:

@@ -20,6 +20,7 @@ What the trainer asks of a task, and only that:
   every rank); the trainer moves it to the device and wraps it.
 - `loss(model, batch)`: the mean loss of a micro-batch already on the device, a scalar tensor; run under
   autocast; the trainer scales, accumulates and steps.
+- optional `blocks(model)`: the model's repeated submodules, for FSDP and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ class Task:
     def units_per_sample(self) -> int:
         """How many `unit`s one sample holds (a window of 1024 tokens: 1024)."""
         return 1
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's repeated parts (a transformer's blocks, a ResNet's stages): each is an FSDP unit
+        (dist.strategy=fsdp) and what train.activation_checkpointing recomputes. Default: none (FSDP
+        shards the model as one unit, gathered whole for its forward)."""
+        return []
 
     def flops_per_sample(self, model: nn.Module) -> float | None:
         """Forward + backward FLOPs of one training sample, for MFU on GPUs. None: counted by torch's

@@ -12,16 +12,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import data, distributed, optim
+from train import data, distributed, optim, parallel
 from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
 from train.task import Task
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = parallel.DTYPES
 
 
 @dataclass
@@ -32,9 +31,9 @@ class Parts:
     task: Task  # the user's model, data, loss and metrics (train/task.py)
     device: torch.device
     world_size: int
-    raw: nn.Module  # the bare model: what checkpoints hold and evaluation runs
-    ddp: DDP
-    step_model: nn.Module  # ddp, or torch.compile(ddp)
+    raw: nn.Module  # the model: what checkpoints hold and evaluation runs (under FSDP: sharded in place)
+    wrapped: nn.Module  # DDP(raw), or raw itself under FSDP (train/parallel.py)
+    step_model: nn.Module  # wrapped, or torch.compile(wrapped)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     stream: object  # data.TrainStream
@@ -66,14 +65,19 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
     batches = iter(parts.eval_loader)
     model.eval()
     sums: dict[str, torch.Tensor] = {}
+    last = None
     try:
         for _ in range(turns):
             if ckpt.stop_agreed(parts.device):
                 return None
             if (batch := next(batches, None)) is None:
+                if parallel.sharded(model):  # every rank's forward all-gathers: run one, not counted
+                    with autocast(parts):
+                        parts.task.eval_step(model, last)
                 continue
+            last = to_device(parts, batch)
             with autocast(parts):
-                out = parts.task.eval_step(model, to_device(parts, batch))
+                out = parts.task.eval_step(model, last)
             for k, v in out.items():
                 v = v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
                 sums[k] = sums.get(k, 0) + v.to(parts.device)
@@ -113,7 +117,7 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
             batch = next(batches)
         batch = to_device(parts, batch)
         # Only the last micro-step all-reduces; the others accumulate gradients locally.
-        sync = contextlib.nullcontext() if micro == accum - 1 else parts.ddp.no_sync()
+        sync = contextlib.nullcontext() if micro == accum - 1 else parallel.no_sync(parts.wrapped)
         with sync, meter.computing():
             with autocast(parts):
                 loss = parts.task.loss(parts.step_model, batch)
@@ -125,7 +129,7 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
         total += loss.detach().float()
     if cfg.train.grad_clip > 0:
         parts.scaler.unscale_(parts.optimizer)  # clip true gradients, not scaled ones
-        nn.utils.clip_grad_norm_(parts.raw.parameters(), cfg.train.grad_clip)
+        nn.utils.clip_grad_norm_(parts.raw.parameters(), cfg.train.grad_clip)  # FSDP: over all shards
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
@@ -135,10 +139,11 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
 
 def ranks_in_sync(parts: Parts) -> bool:
     """Whether every rank holds bitwise the same parameters and buffers (BatchNorm statistics): DDP's
-    promise for the first, evaluate()'s for the second; a cheap end-of-run check."""
+    promise for the first, evaluate()'s for the second; a cheap end-of-run check. Under FSDP each rank
+    holds a shard of each parameter: the whole ones, gathered, are compared."""
     h = hashlib.sha256()
     for t in [*parts.raw.parameters(), *parts.raw.buffers()]:
-        h.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(parallel.full(t.detach()).cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * parts.world_size
     torch.distributed.all_gather_object(digests, h.hexdigest())
     return len(set(digests)) == 1
@@ -241,10 +246,8 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     raw = raw.to(device)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
-    ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-              static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
-    step_model = torch.compile(ddp) if cfg.train.compile else ddp
+    wrapped = parallel.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
+    step_model = torch.compile(wrapped) if cfg.train.compile else wrapped
     # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
     # augmentation), as different samples on different GPUs should; a resume restores each rank's states.
     rank_seed = cfg.seed + 1_000_003 * (denv.rank + 1)
@@ -252,7 +255,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     np.random.seed(rank_seed % 2**32)
     torch.manual_seed(rank_seed)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    return Parts(cfg=cfg, task=task, device=device, world_size=denv.world_size, raw=raw, ddp=ddp,
+    return Parts(cfg=cfg, task=task, device=device, world_size=denv.world_size, raw=raw, wrapped=wrapped,
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
                  stream=stream, eval_loader=eval_loader, log=log,
                  window_loss=torch.zeros((), device=device))
@@ -281,6 +284,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
                  f"{cfg.accum_steps(denv.world_size)} micro-step(s) of {cfg.train.micro_batch_size} per rank, "
                  f"run dir {cfg.run_dir}")
+        whole, here = parallel.parameter_counts(parts.raw)
+        log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy})")
         log.start_tracker(cfg, ckpt, resumed)
         meter = StepMeter.build(cfg, parts, denv.rank)
         ckpt.mark_started(parts.step)  # for the launcher: a stop from here on ends with a checkpoint

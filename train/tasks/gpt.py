@@ -128,6 +128,9 @@ class LanguageModel(Task):
             return means
         return {**means, "perplexity": math.exp(min(means["loss"], 700.0))}  # exp(710) overflows a float
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.transformer.h)
+
     def units_per_sample(self) -> int:
         return self.gpt_config().block_size
 

@@ -102,6 +102,9 @@ class ImageClassification(Task):
         x, y = batch
         return F.cross_entropy(model(x), y)
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return [model.layer1, model.layer2, model.layer3, model.layer4]  # the stages
+
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
         logits = model(x).float()

@@ -1,0 +1,117 @@
+"""How the model is spread over the ranks, in one place: DDP or FSDP2, and activation checkpointing.
+
+- DDP (dist.strategy=ddp): every rank holds the whole model, its gradients and its optimizer state;
+  gradients are all-reduced in buckets during the backward.
+- FSDP2 (dist.strategy=fsdp, torch.distributed.fsdp.fully_shard): every rank holds 1/world of each
+  parameter, gradient and optimizer state (DTensors). Each of the task's blocks (Task.blocks) is a unit:
+  its parameters are all-gathered just before its forward (and again before its backward when
+  dist.reshard_after_forward frees them), its gradients reduce-scattered after its backward; the root
+  unit holds the rest (embeddings, heads). bf16/fp16 (train.precision) all-gathers and computes in that
+  dtype and reduces gradients in fp32; the sharded parameters and the optimizer stay fp32.
+- Activation checkpointing (train.activation_checkpointing, either strategy): each block keeps only its
+  input, and its forward is run again in the backward to get its activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.config import Config, ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module:
+    """The model as it trains: DDP(model), or `model` itself, sharded in place by fully_shard (FSDP2).
+    `model` stays what checkpoints hold and evaluation runs, under either strategy."""
+    blocks = list(task.blocks(model))
+    if not all(isinstance(b, nn.Module) for b in blocks):
+        raise ConfigError(f"task {cfg.task_name}: blocks() must return submodules of the model (nn.Module)")
+    if cfg.train.activation_checkpointing:
+        if not blocks:
+            raise ConfigError(f"train.activation_checkpointing: task {cfg.task_name} names no blocks to "
+                              "recompute (define its blocks(model), see train/task.py)")
+        for block in blocks:
+            _checkpoint(block)
+    d = cfg.dist
+    if d.strategy == "ddp":
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
+                   static_graph=d.static_graph, find_unused_parameters=d.find_unused_parameters)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    p = cfg.train.precision
+    mp = MixedPrecisionPolicy(param_dtype=None if p == "fp32" else DTYPES[p], reduce_dtype=torch.float32)
+    for block in blocks:  # without blocks: one unit, the whole model gathered at once (no memory saved)
+        fully_shard(block, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
+    return model
+
+
+def no_sync(wrapped: nn.Module):
+    """A micro-step that only accumulates gradients: no all-reduce (DDP) or reduce-scatter (FSDP)."""
+    if isinstance(wrapped, DDP):
+        return wrapped.no_sync()
+    return _fsdp_no_sync(wrapped)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)  # FSDP2 keeps the unsharded gradients until the synced micro-step
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether `model` was sharded by fully_shard (its parameters are DTensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """The model's parameters (whole: a DTensor's numel is that of the whole tensor), and those this rank holds."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every rank calls it), or `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _checkpoint(block: nn.Module) -> None:
+    """Recompute `block`'s forward in the backward (torch.utils.checkpoint, non-reentrant; it replays the
+    RNG, so dropout draws the same masks). Its forward is replaced on the instance, so the state dict's
+    keys, and with them the checkpoints, are those of the model without it."""
+    forward = block.forward
+
+    def contexts():
+        return contextlib.nullcontext(), _norm_stats_frozen(block)
+
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    block.forward = checkpointed
+
+
+@contextlib.contextmanager
+def _norm_stats_frozen(block: nn.Module):
+    """During the recomputation: BatchNorm layers leave their running statistics as they are (momentum 0),
+    so a recomputed batch does not count twice."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved, strict=True):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
