@@ -8,11 +8,19 @@
 - ResNet-18 on CIFAR-sized input (32x32, the CIFAR stem), batch 256, bf16, channels_last.
 - The AMP speed-up: ResNet-50 in bf16 against fp32 (TF32 matmuls, the project's default).
 One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
+
+    torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--json OUT]
+
+- The language model (GPT-2 small, 124M, 1024 tokens, micro-batch 8 per GPU, bf16, AdamW) wrapped by
+  train/parallel.py with DDP and with FSDP (dist.strategy): tokens/s over all GPUs and the peak memory of
+  the fullest GPU. `--lm --smoke` runs it on CPU ranks (gloo) with the nano model: a check of the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,12 +65,91 @@ def images_per_s(name: str, size: int, batch: int, precision: str, compile_: boo
     return batch * steps / (time.perf_counter() - t)
 
 
+def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
+            device: torch.device) -> tuple[float, float]:
+    """Tokens/s over all ranks and the largest peak of allocated memory of any rank (0 on CPU)."""
+    import torch.distributed as dist
+
+    from train import config, optim, parallel
+
+    cuda, world = device.type == "cuda", dist.get_world_size()
+    cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", "optim.name=adamw",
+                                           "train.precision=bf16", f"dist.strategy={strategy}"])
+    torch.manual_seed(0)
+    task = cfg.task_class(cfg.task, 0)
+    net = task.model().to(device)
+    wrapped = parallel.wrap(cfg, task, net, device)
+    opt = optim.build(cfg.optim, net)
+    g = task.gpt_config()
+    x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = task.loss(wrapped, (inp, tgt))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - t
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return world * batch * g.block_size * steps / seconds, peak.item()
+
+
+def lm_strategies(steps: int, smoke: bool) -> dict:
+    """DDP against FSDP for the language model, under torchrun: every rank runs this."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, batch, warmup = ("nano", 2, 1) if smoke else ("gpt2", 8, 3)
+    fig: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "lm_world_size": world}
+    for strategy in ("ddp", "fsdp"):
+        tokens_s, peak = _lm_run(strategy, model, batch, warmup, steps, device)
+        fig[f"lm_{strategy}_tokens_per_s"], fig[f"lm_{strategy}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if cuda:
+        fig["lm_fsdp_over_ddp_memory"] = fig["lm_fsdp_peak_gib_per_gpu"] / fig["lm_ddp_peak_gib_per_gpu"]
+    fig["lm_fsdp_over_ddp_speed"] = fig["lm_fsdp_tokens_per_s"] / fig["lm_ddp_tokens_per_s"]
+    dist.destroy_process_group()
+    return fig if rank == 0 else {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="seconds, on CPU: tiny sizes, no compile")
+    p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.lm:
+        if not args.smoke and not torch.cuda.is_available():
+            raise SystemExit("bench/gpu.py --lm needs CUDA GPUs (or --smoke for a CPU check of the script)")
+        fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke)
+        for k, v in fig.items():
+            print(f"{k:28s} {v if isinstance(v, str) else f'{v:.3f}'}")
+        if fig:
+            write_json(args.json, fig)
+        return
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
