@@ -19,12 +19,14 @@ from tests.procs import finish, logged_steps, wait_for
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
 # micro-steps of 4 (accumulation), clipping that bites (the gradient norm is ~0.3-1 here), dropout (the masks
-# must be the same with activation checkpointing).
+# must be the same with activation checkpointing). 33 evaluation windows: 17 on rank 0, 16 on rank 1, which
+# runs out of batches first (under FSDP it must still join each forward's all-gathers; a hang would end at the
+# collective timeout).
 LM = ["--config", "configs/gpt.yaml", "task.model=nano", "task.seq_len=32", f"task.train_tokens={64 * 32 + 1}",
-      "task.eval_tokens=1025", "task.dropout=0.1", "data.num_workers=0", "train.global_batch_size=16",
+      f"task.eval_tokens={33 * 32 + 1}", "task.dropout=0.1", "data.num_workers=0", "train.global_batch_size=16",
       "train.micro_batch_size=4", "train.grad_clip=0.05", "train.log_every=1", "train.eval_every=0",
       "train.steps=20", "checkpoint.every=0", "optim.warmup_steps=2", "log.wandb.mode=disabled",
-      "log.report=false"]
+      "log.report=false", "dist.timeout_s=120"]
 TRACED = ["profile.enabled=true", "profile.wait=2", "profile.warmup=0", "profile.active=2"]
 
 
