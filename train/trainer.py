@@ -20,8 +20,6 @@ from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
 from train.task import Task
 
-DTYPES = parallel.DTYPES
-
 
 @dataclass
 class Parts:
@@ -48,7 +46,7 @@ class Parts:
 
 def autocast(parts: Parts):
     p = parts.cfg.train.precision
-    return torch.autocast(parts.device.type, dtype=DTYPES[p], enabled=p != "fp32")
+    return torch.autocast(parts.device.type, dtype=parallel.DTYPES[p], enabled=p != "fp32")
 
 
 @torch.no_grad()
@@ -116,7 +114,7 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
         with meter.waiting_for_data():
             batch = next(batches)
         batch = to_device(parts, batch)
-        # Only the last micro-step all-reduces; the others accumulate gradients locally.
+        # Only the last micro-step all-reduces (DDP) or reduce-scatters (FSDP); the others accumulate locally.
         sync = contextlib.nullcontext() if micro == accum - 1 else parallel.no_sync(parts.wrapped)
         with sync, meter.computing():
             with autocast(parts):
@@ -140,7 +138,8 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
 def ranks_in_sync(parts: Parts) -> bool:
     """Whether every rank holds bitwise the same parameters and buffers (BatchNorm statistics): DDP's
     promise for the first, evaluate()'s for the second; a cheap end-of-run check. Under FSDP each rank
-    holds a shard of each parameter: the whole ones, gathered, are compared."""
+    holds only its shard of each parameter: gathered, they are the same everywhere by construction, and
+    the check is about the buffers."""
     h = hashlib.sha256()
     for t in [*parts.raw.parameters(), *parts.raw.buffers()]:
         h.update(parallel.full(t.detach()).cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
