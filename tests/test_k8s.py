@@ -684,16 +684,51 @@ def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
     config.validate(cfg, trainer["numNodes"] * trainer["numProcPerNode"])
 
 
-def test_stop_budget_is_below_the_grace_period_in_each_manifest():
-    """STOP_TIMEOUT (the seconds torchrun gives the workers to save) below terminationGracePeriodSeconds
-    (when the kubelet SIGKILLs), with room for torchrun's own exit."""
+def test_grace_period_is_the_stop_budget_plus_the_launchers_margin_in_each_manifest():
+    """terminationGracePeriodSeconds (when the kubelet SIGKILLs) = STOP_TIMEOUT (the seconds torchrun gives
+    the workers to save) + train/launch.py's GRACE_MARGIN_S (torchrun's and the launcher's own exit): one
+    stop budget, so raising one without the other fails here. The TrainJob's pod is built as the trainer
+    builds it (its runtime's pod and env, the TrainJob's env over it)."""
+    from train.launch import GRACE_MARGIN_S
+
     worker = _job()["spec"]["pytorchReplicaSpecs"]["Worker"]
     pod, c = trainer_pod(_trainjob(), _runtime())
     for name, grace, env in (("PyTorchJob", worker["template"]["spec"]["terminationGracePeriodSeconds"],
                               _container(worker)["env"]),
                              ("TrainJob", pod["terminationGracePeriodSeconds"], c["env"])):
-        stop = int(next(e["value"] for e in env if e["name"] == "STOP_TIMEOUT"))
-        assert 0 < stop <= grace - 10, f"{name}: STOP_TIMEOUT={stop}, terminationGracePeriodSeconds={grace}"
+        stop = [int(e["value"]) for e in env if e["name"] == "STOP_TIMEOUT"]
+        assert len(stop) == 1 and stop[0] > 0, f"{name}: STOP_TIMEOUT set once: {stop}"
+        assert grace == stop[0] + GRACE_MARGIN_S, \
+            f"{name}: terminationGracePeriodSeconds={grace}, STOP_TIMEOUT={stop[0]} + {GRACE_MARGIN_S}"
+
+
+def _kueue_option(path: Path) -> tuple[str, dict]:
+    """(queue name, the job with its commented-out kueue.x-k8s.io/queue-name label put back) of a manifest."""
+    text = path.read_text()
+    found = re.findall(r"^(\s*)# (kueue\.x-k8s\.io/queue-name: (\S+))", text, re.M)
+    assert len(found) == 1, f"{path}: one commented-out kueue.x-k8s.io/queue-name label"
+    indent, line, queue = found[0]
+    docs = [d for d in yaml.safe_load_all(text.replace(f"{indent}# {line}", f"{indent}{line}", 1)) if d]
+    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
+    return queue, job
+
+
+def test_both_jobs_carry_the_kueue_queue_label_as_an_option():
+    """Uncommenting the label gives a job that its CRD accepts, labelled with the LocalQueue, and otherwise
+    the same job (Kueue then creates it suspended and starts it when the queue admits it: the README)."""
+    import jsonschema
+
+    for path, job, validator in (
+            (K8S / "pytorchjob.yaml", _job(), jsonschema.Draft7Validator(_strict(_crd_schema()))),
+            (TRAINJOB_DIR / "trainjob.yaml", _trainjob(), _crd_validator("trainer.kubeflow.org_trainjobs.yaml"))):
+        queue, labelled = _kueue_option(path)
+        assert labelled["metadata"]["labels"].pop("kueue.x-k8s.io/queue-name") == queue
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", queue), queue
+        assert labelled == job, f"{path}: the label is the only change"
+        labelled["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = queue
+        assert not list(validator.iter_errors(labelled)), path
+        assert "suspend" not in str(job["spec"].get("runPolicy", {})) and "suspend" not in job["spec"], \
+            f"{path}: Kueue suspends it; without Kueue it starts at once"
 
 
 class _JobSetPod:
@@ -838,3 +873,64 @@ def test_exit_codes_preemptions_never_use_up_the_retries_and_a_usage_error_ends_
     assert pytorchjob_outcome(job, 1) == FAIL and pytorchjob_outcome(job, 137) == RESTART
     # Why the PyTorchJob's pods exit 143 and not 75: ExitCode fails the job on 1-127.
     assert pytorchjob_outcome(job, 75) == FAIL and stop_pt != 75
+
+
+def _waiting_pods(tmp: Path) -> dict[str, tuple[dict, list[str], dict[str, str]]]:
+    """The second pod of each job (PyTorchJob worker-1, TrainJob node-0-1) as a process: its command, its
+    environment as its controller makes it, its volumes as folders. Its rendezvous host (worker-0's Service,
+    node 0's DNS name) is not up, so it waits for it, as a pod started first does."""
+    job, trainjob, runtime = _job(), _trainjob(), _runtime()
+    nodes, _ = replica_nodes(job, tmp / "pytorchjob", real_hosts=True)
+    worker = next(n for n in nodes if n.name == "worker-1")
+    pod, c = trainer_pod(trainjob, runtime)
+    mounts = pod_mounts(pod, c, tmp / "trainjob" / "node-0-1", tmp / "trainjob", {}, TRAINJOB_DIR)
+    env = dict(container_env(c, secrets={})) | dict(trainer_env(trainjob, runtime, 1))
+    argv = tiny(local_argv([map_paths(a, mounts) for a in pod_argv(c)]))
+    return {"PyTorchJob": (job, worker.argv, worker.env), "TrainJob": (runtime, argv, clean_env(**env))}
+
+
+def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
+    """Each job's pod, run as its controller runs it, ended three ways: a bad config key (exit 2: the job
+    fails at once), a SIGTERM while it waits for the rendezvous (the stop path: the launcher's 75, 143 in the
+    PyTorchJob: restarted, not counted), the rendezvous never coming (exit 1: counted by the TrainJob's Job;
+    the PyTorchJob fails). Six launchers at once, none starts torchrun: a few seconds."""
+    import signal
+    import time
+
+    from train.launch import requeue_exit_code
+
+    outcome = {"PyTorchJob": pytorchjob_outcome, "TrainJob": trainjob_outcome}
+    pods = _waiting_pods(tmp_path)
+    stop = {kind: requeue_exit_code(env) for kind, (_, _, env) in pods.items()}  # the manifests' REQUEUE_EXIT_CODE
+    assert stop == {"PyTorchJob": 143, "TrainJob": 75}
+    expected = {("PyTorchJob", "usage"): (2, FAIL), ("PyTorchJob", "stop"): (stop["PyTorchJob"], RESTART),
+                ("PyTorchJob", "failed"): (1, FAIL), ("TrainJob", "usage"): (2, FAIL),
+                ("TrainJob", "stop"): (stop["TrainJob"], RESTART), ("TrainJob", "failed"): (1, COUNT)}
+    procs = {}
+    for kind, (obj, argv, env) in pods.items():
+        for case in ("usage", "stop", "failed"):
+            args = [*argv, "train.no_such_key=1"] if case == "usage" else argv
+            case_env = env | {"RDZV_CONF": "join_timeout=1"} if case == "failed" else env
+            log = tmp_path / f"{kind}-{case}.log"
+            procs[kind, case] = (obj, log, subprocess.Popen(args, cwd=ROOT, env=case_env, stdout=log.open("w"),
+                                                            stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for kind in outcome:  # the stop comes while the pod waits for its rendezvous host
+            _, log, proc = procs[kind, "stop"]
+            deadline = time.monotonic() + 240
+            while "waiting up to" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "waiting up to" in log.read_text(), log.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+        for (kind, case), (obj, log, proc) in procs.items():
+            code = proc.wait(timeout=240)
+            text = log.read_text()
+            print(f"{kind} {case}: exit {code}: {text.strip().splitlines()[-1]}")
+            assert "torch.distributed.run" not in text, text[-3000:]
+            assert "Traceback" not in text, text[-3000:]
+            assert (code, outcome[kind](obj, code)) == expected[kind, case], text[-3000:]
+    finally:
+        for *_, proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
