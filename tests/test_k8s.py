@@ -934,3 +934,18 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_a_requeue_exit_code_that_means_something_else_is_a_usage_error(monkeypatch, capsys):
+    """REQUEUE_EXIT_CODE 0, 1 or 2 would tell the scheduler done, failed or usage error after a healthy stop:
+    the launcher refuses it at once, in one line, exit 2, before torchrun."""
+    from train import launch
+
+    monkeypatch.setattr(launch.Signals, "install", lambda self: None)  # pytest's own signal handlers stay
+    for value in ("0", "1", "2", "256", "x"):
+        monkeypatch.setenv("REQUEUE_EXIT_CODE", value)
+        assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 2, value
+        err = capsys.readouterr().err
+        assert err.startswith("error: REQUEUE_EXIT_CODE must be an exit code from 3 to 255") and "torch" not in err
+    monkeypatch.setenv("REQUEUE_EXIT_CODE", "143")
+    assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 0
