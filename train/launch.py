@@ -8,7 +8,7 @@ than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob'
 hosts the c10d rendezvous.
 
 The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
-One signal handler, installed on main()'s first line, serves the launcher's whole life: stop signals
+One signal handler, installed first thing in main(), serves the launcher's whole life: stop signals
 (TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
 ("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
