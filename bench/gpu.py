@@ -7,6 +7,9 @@
   (DeepLearningExamples); the goal on an H100 is at least 1.5x that.
 - ResNet-18 on CIFAR-sized input (32x32, the CIFAR stem), batch 256, bf16, channels_last.
 - The AMP speed-up: ResNet-50 in bf16 against fp32 (TF32 matmuls, the project's default).
+- GPT-2 small (124M, the `gpt2` preset of train/model.py), 1024-token windows, micro-batch 16, bf16 autocast,
+  torch.compile, fused AdamW: tokens/s and MFU (nanoGPT's 6N + attention FLOPs per token, against the
+  device's dense bf16 peak); llm.c reports about 40% MFU for it on an H100, the goal here.
 One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
 
     torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--json OUT]
@@ -31,6 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _util import write_json  # noqa: E402
 
+from train.metrics import peak_flops  # noqa: E402
+from train.tasks.gpt import LanguageModel  # noqa: E402
 from train.tasks.image import ImageClassification  # noqa: E402
 
 A100_RESNET50_AMP = 2470.0  # images/s, NVIDIA DeepLearningExamples, 1x A100 80GB, AMP
@@ -63,6 +68,40 @@ def images_per_s(name: str, size: int, batch: int, precision: str, compile_: boo
     if device.type == "cuda":
         torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - t)
+
+
+def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device: torch.device,
+                     warmup: int = 3) -> tuple[float, float | None]:
+    """Tokens/s of the LM task's own model, loss and FLOP count (random tokens: the speed does not depend on
+    them); and the MFU where the device's peak is known."""
+    task = LanguageModel(LanguageModel.Config(data="shards", model=preset), 0)  # data is never read here
+    net = task.model().to(device)
+    seq, vocab = task.gpt_config().block_size, task.gpt_config().vocab_size
+    opt = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda")
+    step_model = torch.compile(net) if compile_ else net
+    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    batch_ = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = task.loss(step_model, batch_)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(max(warmup, steps // 5)):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    windows_per_s = batch * steps / (time.perf_counter() - t)
+    peak = peak_flops(torch.cuda.get_device_name(device), "bf16", True) if device.type == "cuda" else None
+    mfu = windows_per_s * task.flops_per_sample(net) / peak if peak else None
+    return windows_per_s * seq, mfu
 
 
 def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
@@ -163,6 +202,10 @@ def main() -> None:
     fig["resnet50_fp32"] = images_per_s(name, big, batch, "fp32", False, steps, device, warmup)
     fig["resnet50_bf16_compile"] = images_per_s(name, big, batch, "bf16", not args.smoke, steps, device, warmup)
     fig["resnet18_cifar_bf16"] = images_per_s("resnet18", small, batch, "bf16", False, steps, device, warmup)
+    fig["gpt2_tokens_per_s"], mfu = gpt_tokens_per_s("gpt2" if not args.smoke else "nano", 16 if not args.smoke
+                                                     else 2, not args.smoke, steps, device, warmup)
+    if mfu is not None:
+        fig["gpt2_mfu"] = mfu
     fig["amp_speedup"] = fig["resnet50_bf16"] / fig["resnet50_fp32"]
     best = max(fig["resnet50_bf16"], fig["resnet50_bf16_compile"])
     fig["vs_a100_published"] = best / A100_RESNET50_AMP
@@ -170,6 +213,9 @@ def main() -> None:
         print(f"{k:24s} {v if isinstance(v, str) else f'{v:.2f}'}")
     print(f"ResNet-50 best {best:.0f} images/s = {fig['vs_a100_published']:.2f}x NVIDIA's A100 80GB AMP figure "
           f"({A100_RESNET50_AMP:.0f}); goal on an H100: >= 1.5x")
+    if "gpt2_mfu" in fig:
+        print(f"GPT-2 124M: {fig['gpt2_tokens_per_s']:.0f} tokens/s, MFU {fig['gpt2_mfu']:.1%}; goal (llm.c on an "
+              f"H100): >= 40%")
     write_json(args.json, fig)
 
 

@@ -65,6 +65,9 @@ ROWS = [
      lambda v: v >= 1.5),
     ("GPU: AMP (bf16) speed-up over fp32 (TF32), ResNet-50", "amp_speedup", "", None),
     ("GPU: ResNet-18 CIFAR 32px bs256 bf16, images/s", "resnet18_cifar_bf16", "", None),
+    ("GPU: GPT-2 124M, 1024 tokens x 16, bf16, compile, tokens/s", "gpt2_tokens_per_s", "", None),
+    ("GPU: GPT-2 124M MFU (6N + attention FLOPs / dense bf16 peak)", "gpt2_mfu", ">= 0.40 (llm.c, H100)",
+     lambda v: v >= 0.40),
 ]
 
 

@@ -148,7 +148,8 @@ def test_pytorchjob_conventions():
     assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}, "elastic: workers only, rendezvous at worker 0"
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
-    assert worker["restartPolicy"] == "OnFailure"
+    # The pods follow the launcher's exit codes (the policy itself: test_exit_codes_*).
+    assert worker["restartPolicy"] == "ExitCode" and "backoffLimit" not in spec["runPolicy"]
     pod = worker["template"]["spec"]
     c = _container(worker)
     assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
@@ -450,12 +451,26 @@ def _v2(name: str) -> dict:
 
 
 def _runtime() -> dict:
-    """The ClusterTrainingRuntime the TrainJob names, as the trainer installs it."""
-    runtime = _v2("torch_distributed.yaml")
+    """The runtime the TrainJob names: its own TrainingRuntime, shipped beside it (k8s/trainjob/), or a
+    ClusterTrainingRuntime as the trainer installs it (torch-distributed)."""
     ref = _trainjob()["spec"]["runtimeRef"]
-    assert (ref.get("apiGroup", "trainer.kubeflow.org"), ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) \
-        == ("trainer.kubeflow.org", runtime["kind"], runtime["metadata"]["name"])
+    assert ref.get("apiGroup", "trainer.kubeflow.org") == "trainer.kubeflow.org"
+    if ref.get("kind", "ClusterTrainingRuntime") == "TrainingRuntime":  # namespaced: applied with the TrainJob
+        return _find("TrainingRuntime", ref["name"], TRAINJOB_DIR)
+    runtime = _v2("torch_distributed.yaml")
+    assert (ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) == (runtime["kind"], runtime["metadata"]["name"])
     return runtime
+
+
+def _runtime_crd(runtime: dict) -> str:
+    return {"TrainingRuntime": "trainer.kubeflow.org_trainingruntimes.yaml",
+            "ClusterTrainingRuntime": "trainer.kubeflow.org_clustertrainingruntimes.yaml"}[runtime["kind"]]
+
+
+def _node_job(runtime: dict) -> dict:
+    """The batch/v1 Job spec of the runtime's replicated job `node` (what JobSet creates per replica)."""
+    rjob = next(r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node")
+    return rjob["template"]["spec"]
 
 
 def _crd_validator(name: str):
@@ -492,6 +507,57 @@ def _webhook_errors(job: dict, runtime: dict) -> list[str]:
                     errors.append(f"runtimePatches: no container {c['name']} in the runtime's {rjob['name']}")
                 elif c.get("env") and c["name"] == "node":
                     errors.append("runtimePatches: must not have envs for the node container")
+    return errors
+
+
+def _runtime_webhook_errors(runtime: dict) -> list[str]:
+    """What the trainer's runtime webhook refuses (pkg/webhooks/trainingruntime_webhook.go,
+    validateReplicatedJobs): a replicated job labelled as the trainer step has 1 replica and a container
+    named node."""
+    errors = []
+    for rjob in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        if rjob.get("template", {}).get("metadata", {}).get("labels", {}).get(
+                "trainer.kubeflow.org/trainjob-ancestor-step") == "trainer":
+            if rjob.get("replicas", 1) != 1:
+                errors.append(f"{rjob['name']}: replicas always must be 1")
+            if "node" not in {c["name"] for c in rjob["template"]["spec"]["template"]["spec"]["containers"]}:
+                errors.append(f"{rjob['name']}: must contain the required container for the ancestor: trainer")
+    return errors
+
+
+def _job_errors(spec: dict) -> list[str]:
+    """What the API server refuses in a batch/v1 Job's podFailurePolicy (kubernetes
+    pkg/apis/batch/validation/validation.go: validatePodFailurePolicy and its rules)."""
+    policy = spec.get("podFailurePolicy")
+    if policy is None:
+        return []
+    pod = spec["template"]["spec"]
+    errors = []
+    if pod.get("restartPolicy") != "Never":  # JobSet's webhook defaults an unset one to OnFailure
+        errors.append("template.spec.restartPolicy: only Never is supported when podFailurePolicy is specified")
+    names = {c["name"] for c in pod.get("containers", []) + pod.get("initContainers", [])}
+    for i, rule in enumerate(policy["rules"]):
+        where = f"podFailurePolicy.rules[{i}]"
+        action = rule.get("action")
+        if action == "FailIndex" and spec.get("backoffLimitPerIndex") is None:
+            errors.append(f"{where}.action: FailIndex requires the backoffLimitPerIndex to be set")
+        elif action not in ("FailJob", "FailIndex", "Ignore", "Count"):
+            errors.append(f"{where}.action: unsupported {action!r}")
+        if ("onExitCodes" in rule) == bool(rule.get("onPodConditions")):
+            errors.append(f"{where}: exactly one of onExitCodes and onPodConditions")
+        if on := rule.get("onExitCodes"):
+            values = on.get("values", [])
+            if on.get("operator") not in ("In", "NotIn"):
+                errors.append(f"{where}.onExitCodes.operator: unsupported {on.get('operator')!r}")
+            if "containerName" in on and on["containerName"] not in names:
+                errors.append(f"{where}.onExitCodes.containerName: must be one of the container names in the pod")
+            if not values or len(values) > 255 or values != sorted(set(values)):
+                errors.append(f"{where}.onExitCodes.values: 1 to 255 values, unique and ordered")
+            if on.get("operator") == "In" and 0 in values:
+                errors.append(f"{where}.onExitCodes.values: must not be 0 for the In operator")
+        for cond in rule.get("onPodConditions", []):
+            if cond.get("status") not in ("True", "False", "Unknown"):
+                errors.append(f"{where}.onPodConditions.status: True, False or Unknown")
     return errors
 
 
@@ -553,12 +619,15 @@ def test_kubectl_apply_k8s_creates_exactly_one_job_and_k8s_trainjob_the_other():
 
 def test_trainjob_validates_against_the_trainers_crds_and_webhook():
     job, runtime = _trainjob(), _runtime()
+    assert runtime["kind"] == "TrainingRuntime", "the TrainJob's own runtime, shipped beside it in k8s/trainjob"
     for validator, doc in ((_crd_validator("trainer.kubeflow.org_trainjobs.yaml"), job),
-                           (_crd_validator("trainer.kubeflow.org_clustertrainingruntimes.yaml"), runtime)):
+                           (_crd_validator(_runtime_crd(runtime)), runtime)):
         errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
         assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
-    assert not _webhook_errors(job, runtime)
-    # And the checks bite: an unknown field, a reserved variable, env patched into the node container.
+    assert not _webhook_errors(job, runtime) and not _runtime_webhook_errors(runtime)
+    assert not _job_errors(_node_job(runtime))
+    # And the checks bite: an unknown field, a reserved variable, env patched into the node container, a
+    # podFailurePolicy on pods that restart in place, exit codes out of order, a misplaced Job field.
     validator = _crd_validator("trainer.kubeflow.org_trainjobs.yaml")
     bad = copy.deepcopy(job)
     bad["spec"]["trainer"]["nprocPerNode"] = 1
@@ -567,9 +636,19 @@ def test_trainjob_validates_against_the_trainers_crds_and_webhook():
     bad["spec"]["trainer"]["env"].append({"name": "PET_MASTER_PORT", "value": "23456"})
     assert _webhook_errors(bad, runtime)
     bad = copy.deepcopy(job)
-    patch = bad["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-    patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "A", "value": "1"}]
+    bad["spec"]["runtimePatches"] = [{"manager": "ddp-template.local/manifest", "trainingRuntimeSpec": {
+        "template": {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": {
+            "containers": [{"name": "node", "env": [{"name": "A", "value": "1"}]}]}}}}}]}}}}]
     assert _webhook_errors(bad, runtime)
+    bad = copy.deepcopy(runtime)
+    _node_job(bad)["template"]["spec"]["restartPolicy"] = "OnFailure"
+    assert _job_errors(_node_job(bad))
+    bad = copy.deepcopy(runtime)
+    _node_job(bad)["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] = [75, 2]
+    assert _job_errors(_node_job(bad))
+    bad = copy.deepcopy(runtime)
+    _node_job(bad)["podFailurePolicy"]["rules"][0]["onExitCode"] = {}
+    assert list(_crd_validator(_runtime_crd(runtime)).iter_errors(bad))
 
 
 def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
@@ -605,16 +684,51 @@ def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
     config.validate(cfg, trainer["numNodes"] * trainer["numProcPerNode"])
 
 
-def test_stop_budget_is_below_the_grace_period_in_each_manifest():
-    """STOP_TIMEOUT (the seconds torchrun gives the workers to save) below terminationGracePeriodSeconds
-    (when the kubelet SIGKILLs), with room for torchrun's own exit."""
+def test_grace_period_is_the_stop_budget_plus_the_launchers_margin_in_each_manifest():
+    """terminationGracePeriodSeconds (when the kubelet SIGKILLs) = STOP_TIMEOUT (the seconds torchrun gives
+    the workers to save) + train/launch.py's GRACE_MARGIN_S (torchrun's and the launcher's own exit): one
+    stop budget, so raising one without the other fails here. The TrainJob's pod is built as the trainer
+    builds it (its runtime's pod and env, the TrainJob's env over it)."""
+    from train.launch import GRACE_MARGIN_S
+
     worker = _job()["spec"]["pytorchReplicaSpecs"]["Worker"]
     pod, c = trainer_pod(_trainjob(), _runtime())
     for name, grace, env in (("PyTorchJob", worker["template"]["spec"]["terminationGracePeriodSeconds"],
                               _container(worker)["env"]),
                              ("TrainJob", pod["terminationGracePeriodSeconds"], c["env"])):
-        stop = int(next(e["value"] for e in env if e["name"] == "STOP_TIMEOUT"))
-        assert 0 < stop <= grace - 10, f"{name}: STOP_TIMEOUT={stop}, terminationGracePeriodSeconds={grace}"
+        stop = [int(e["value"]) for e in env if e["name"] == "STOP_TIMEOUT"]
+        assert len(stop) == 1 and stop[0] > 0, f"{name}: STOP_TIMEOUT set once: {stop}"
+        assert grace == stop[0] + GRACE_MARGIN_S, \
+            f"{name}: terminationGracePeriodSeconds={grace}, STOP_TIMEOUT={stop[0]} + {GRACE_MARGIN_S}"
+
+
+def _kueue_option(path: Path) -> tuple[str, dict]:
+    """(queue name, the job with its commented-out kueue.x-k8s.io/queue-name label put back) of a manifest."""
+    text = path.read_text()
+    found = re.findall(r"^(\s*)# (kueue\.x-k8s\.io/queue-name: (\S+))", text, re.M)
+    assert len(found) == 1, f"{path}: one commented-out kueue.x-k8s.io/queue-name label"
+    indent, line, queue = found[0]
+    docs = [d for d in yaml.safe_load_all(text.replace(f"{indent}# {line}", f"{indent}{line}", 1)) if d]
+    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
+    return queue, job
+
+
+def test_both_jobs_carry_the_kueue_queue_label_as_an_option():
+    """Uncommenting the label gives a job that its CRD accepts, labelled with the LocalQueue, and otherwise
+    the same job (Kueue then creates it suspended and starts it when the queue admits it: the README)."""
+    import jsonschema
+
+    for path, job, validator in (
+            (K8S / "pytorchjob.yaml", _job(), jsonschema.Draft7Validator(_strict(_crd_schema()))),
+            (TRAINJOB_DIR / "trainjob.yaml", _trainjob(), _crd_validator("trainer.kubeflow.org_trainjobs.yaml"))):
+        queue, labelled = _kueue_option(path)
+        assert labelled["metadata"]["labels"].pop("kueue.x-k8s.io/queue-name") == queue
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", queue), queue
+        assert labelled == job, f"{path}: the label is the only change"
+        labelled["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = queue
+        assert not list(validator.iter_errors(labelled)), path
+        assert "suspend" not in str(job["spec"].get("runPolicy", {})) and "suspend" not in job["spec"], \
+            f"{path}: Kueue suspends it; without Kueue it starts at once"
 
 
 class _JobSetPod:
@@ -663,3 +777,175 @@ def test_trainjob_nodes_train_together_with_the_trainers_environment(tmp_path, m
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
     assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s
+
+
+# --------------------------------------------------- exit codes: what the controllers do with a pod's end
+#
+# The launcher ends a pod with 75 (stopped after a checkpoint: restart me), 2 (usage error: do not retry)
+# or 1 (failed). What each job's controller then does is read from the manifests, as the controllers read
+# them: the PyTorchJob's restartPolicy (training-operator v1.9, pkg/controller.v1/common/pod.go,
+# ReconcilePods; pkg/util/train/train_util.go, IsRetryableExitCode; pkg/core/job.go, PastBackoffLimit)
+# and the TrainJob runtime's Job podFailurePolicy (kubernetes pkg/controller/job/pod_failure_policy.go,
+# matchPodFailurePolicy; a failed Job fails a JobSet without failurePolicy: jobset
+# pkg/controllers/failure_policy.go, executeFailurePolicy).
+
+RESTART, COUNT, FAIL = "restarted, not counted", "restarted, counted", "the job fails"
+
+
+def pytorchjob_outcome(job: dict, exit_code: int, rtype: str = "Worker") -> str:
+    """What the training operator does with a pod of `rtype` whose container `pytorch` exited non-zero."""
+    policy = job["spec"]["pytorchReplicaSpecs"][rtype].get("restartPolicy", "Never")
+    if policy == "ExitCode":  # the pod's restartPolicy is Never: a failed pod is deleted and created anew
+        # (restartCount 0, so PastBackoffLimit, which sums the restartCount of running pods, never sees it)
+        # for 128-255, and the job is failed for 1-127.
+        return RESTART if exit_code >= 128 else FAIL
+    if policy in ("OnFailure", "Always"):  # the kubelet restarts the container: its restartCount counts
+        return COUNT
+    return FAIL  # Never: not restarted
+
+
+def trainjob_outcome(runtime: dict, exit_code: int, container: str = "node", disrupted: bool = False) -> str:
+    """What the Job controller does with a failed pod of the runtime's node Job: the first podFailurePolicy
+    rule that matches (an exit code of a terminated container, non-zero; or a pod condition) decides:
+    Ignore (replaced, not counted), FailJob, Count; no rule matching counts."""
+    spec = _node_job(runtime)
+    assert spec["template"]["spec"].get("restartPolicy") == "Never", "a failed pod is replaced by its Job"
+    for rule in spec.get("podFailurePolicy", {}).get("rules", []):
+        if on := rule.get("onExitCodes"):
+            matched = exit_code != 0 and on.get("containerName") in (None, container) and (
+                (exit_code in on["values"]) == (on["operator"] == "In"))
+        else:
+            matched = disrupted and any(c["type"] == "DisruptionTarget" and c.get("status") == "True"
+                                        for c in rule.get("onPodConditions", []))
+        if matched:
+            return {"Ignore": RESTART, "Count": COUNT, "FailJob": FAIL}[rule["action"]]
+    return COUNT
+
+
+def job_state(outcome, exits: list[int], limit: int | None, fails_above: bool = True) -> tuple[str, int]:
+    """(Running or Failed, pods counted) after these pod exits, one after another: counted failures past the
+    limit fail the job (a Job: failed > backoffLimit; the operator: restarts >= backoffLimit)."""
+    counted = 0
+    for code in exits:
+        result = outcome(code)
+        if result == FAIL:
+            return "Failed", counted
+        if result == COUNT:
+            counted += 1
+            if limit is not None and (counted > limit if fails_above else counted >= limit):
+                return "Failed", counted
+    return "Running", counted
+
+
+def _stop_code(c: dict) -> int:
+    """The code the pod's launcher exits with after a checkpoint, with the container's environment."""
+    from train.launch import requeue_exit_code
+
+    return requeue_exit_code(dict(container_env(c, secrets={})))
+
+
+def test_exit_codes_preemptions_never_use_up_the_retries_and_a_usage_error_ends_the_job():
+    """A job preempted 50 times keeps running, with nothing counted; a usage error ends it on the first pod
+    that says it; failures end the TrainJob after backoffLimit, and the PyTorchJob at once (its
+    operator cannot count pods it replaces: the README says so)."""
+    job, runtime, trainjob = _job(), _runtime(), _trainjob()
+    pytorch = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    node = trainer_pod(trainjob, runtime)[1]
+    pt = (lambda code: pytorchjob_outcome(job, code), None)  # no backoffLimit: ExitCode never reaches one
+    tj = (lambda code: trainjob_outcome(runtime, code), _node_job(runtime).get("backoffLimit", 6))
+    stop_pt, stop_tj = _stop_code(pytorch), _stop_code(node)
+    assert stop_tj == 75, "the TrainJob's pods exit 75, which its runtime ignores"
+
+    for (outcome, limit), stop in ((pt, stop_pt), (tj, stop_tj)):
+        assert outcome(stop) == RESTART and job_state(outcome, [stop] * 50, limit) == ("Running", 0)
+        assert job_state(outcome, [stop, stop, 2], limit) == ("Failed", 0)  # 2: the first one ends the job
+    # Failures: counted towards the runtime's backoffLimit (its last one fails the Job, and the JobSet with
+    # it), however many preemptions come in between.
+    limit = tj[1]
+    assert 1 <= limit <= 10
+    assert job_state(tj[0], [1, stop_tj] * limit, limit) == ("Running", limit)
+    assert job_state(tj[0], [1, stop_tj] * limit + [1], limit) == ("Failed", limit + 1)
+    # A pod preempted, evicted or on a lost node is not the job's fault, whatever it exited with (137: the
+    # grace period ran out); other codes count.
+    assert trainjob_outcome(runtime, 137, disrupted=True) == RESTART and trainjob_outcome(runtime, 137) == COUNT
+    # The PyTorchJob: the launcher's 1 fails the job (after torchrun's maxRestarts inside the pod); a pod
+    # SIGKILLed (137) is replaced without counting, as ExitCode retries 128-255.
+    assert pytorchjob_outcome(job, 1) == FAIL and pytorchjob_outcome(job, 137) == RESTART
+    # Why the PyTorchJob's pods exit 143 and not 75: ExitCode fails the job on 1-127.
+    assert pytorchjob_outcome(job, 75) == FAIL and stop_pt != 75
+
+
+def _waiting_pods(tmp: Path) -> dict[str, tuple[dict, list[str], dict[str, str]]]:
+    """The second pod of each job (PyTorchJob worker-1, TrainJob node-0-1) as a process: its command, its
+    environment as its controller makes it, its volumes as folders. Its rendezvous host (worker-0's Service,
+    node 0's DNS name) is not up, so it waits for it, as a pod started first does."""
+    job, trainjob, runtime = _job(), _trainjob(), _runtime()
+    nodes, _ = replica_nodes(job, tmp / "pytorchjob", real_hosts=True)
+    worker = next(n for n in nodes if n.name == "worker-1")
+    pod, c = trainer_pod(trainjob, runtime)
+    mounts = pod_mounts(pod, c, tmp / "trainjob" / "node-0-1", tmp / "trainjob", {}, TRAINJOB_DIR)
+    env = dict(container_env(c, secrets={})) | dict(trainer_env(trainjob, runtime, 1))
+    argv = tiny(local_argv([map_paths(a, mounts) for a in pod_argv(c)]))
+    return {"PyTorchJob": (job, worker.argv, worker.env), "TrainJob": (runtime, argv, clean_env(**env))}
+
+
+def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
+    """Each job's pod, run as its controller runs it, ended three ways: a bad config key (exit 2: the job
+    fails at once), a SIGTERM while it waits for the rendezvous (the stop path: the launcher's 75, 143 in the
+    PyTorchJob: restarted, not counted), the rendezvous never coming (exit 1: counted by the TrainJob's Job;
+    the PyTorchJob fails). Six launchers at once, none starts torchrun: a few seconds."""
+    import signal
+    import time
+
+    from train.launch import requeue_exit_code
+
+    outcome = {"PyTorchJob": pytorchjob_outcome, "TrainJob": trainjob_outcome}
+    pods = _waiting_pods(tmp_path)
+    stop = {kind: requeue_exit_code(env) for kind, (_, _, env) in pods.items()}  # the manifests' REQUEUE_EXIT_CODE
+    assert stop == {"PyTorchJob": 143, "TrainJob": 75}
+    expected = {("PyTorchJob", "usage"): (2, FAIL), ("PyTorchJob", "stop"): (stop["PyTorchJob"], RESTART),
+                ("PyTorchJob", "failed"): (1, FAIL), ("TrainJob", "usage"): (2, FAIL),
+                ("TrainJob", "stop"): (stop["TrainJob"], RESTART), ("TrainJob", "failed"): (1, COUNT)}
+    procs = {}
+    for kind, (obj, argv, env) in pods.items():
+        for case in ("usage", "stop", "failed"):
+            args = [*argv, "train.no_such_key=1"] if case == "usage" else argv
+            case_env = env | {"RDZV_CONF": "join_timeout=1"} if case == "failed" else env
+            log = tmp_path / f"{kind}-{case}.log"
+            procs[kind, case] = (obj, log, subprocess.Popen(args, cwd=ROOT, env=case_env, stdout=log.open("w"),
+                                                            stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for kind in outcome:  # the stop comes while the pod waits for its rendezvous host
+            _, log, proc = procs[kind, "stop"]
+            deadline = time.monotonic() + 240
+            while "waiting up to" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "waiting up to" in log.read_text(), log.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+        for (kind, case), (obj, log, proc) in procs.items():
+            code = proc.wait(timeout=240)
+            text = log.read_text()
+            print(f"{kind} {case}: exit {code}: {text.strip().splitlines()[-1]}")
+            assert "torch.distributed.run" not in text, text[-3000:]
+            assert "Traceback" not in text, text[-3000:]
+            assert (code, outcome[kind](obj, code)) == expected[kind, case], text[-3000:]
+    finally:
+        for *_, proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_a_requeue_exit_code_that_means_something_else_is_a_usage_error(monkeypatch, capsys):
+    """REQUEUE_EXIT_CODE 0, 1 or 2 would tell the scheduler done, failed or usage error after a healthy stop:
+    the launcher refuses it at once, in one line, exit 2, before torchrun."""
+    from train import launch
+
+    monkeypatch.setattr(launch.Signals, "install", lambda self: None)  # pytest's own signal handlers stay
+    for value in ("0", "1", "2", "256", "x"):
+        monkeypatch.setenv("REQUEUE_EXIT_CODE", value)
+        assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 2, value
+        err = capsys.readouterr().err
+        assert err.startswith("error: REQUEUE_EXIT_CODE must be an exit code from 3 to 255") and "torch" not in err
+    monkeypatch.setenv("REQUEUE_EXIT_CODE", "143")
+    assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 0

@@ -8,7 +8,7 @@ than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob'
 hosts the c10d rendezvous.
 
 The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
-One signal handler, installed on main()'s first line, serves the launcher's whole life: stop signals
+One signal handler, installed first thing in main(), serves the launcher's whole life: stop signals
 (TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
 ("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
@@ -18,6 +18,8 @@ The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
 When torchrun fails, the launcher ends with one line saying why and what to try.
+REQUEUE_EXIT_CODE replaces the launcher's 75 by another code, for a scheduler that retries only some codes
+(a PyTorchJob's restartPolicy: ExitCode restarts 128-255 and fails the job on 1-127: k8s/pytorchjob.yaml).
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ from train.config import ConfigError
 
 EXIT_USAGE = 2
 EXIT_REQUEUE = 75  # the same code a worker exits with after a signal-triggered checkpoint
+# The launcher's own code for "stopped after a checkpoint, relaunch me" where a scheduler needs another one
+# (3-255): the PyTorchJob's restartPolicy ExitCode retries only 128-255 (k8s/pytorchjob.yaml sets 143).
+REQUEUE_CODE_VAR = "REQUEUE_EXIT_CODE"
+# A scheduler's grace period (SIGTERM to SIGKILL) is the stop budget plus this: torchrun's and the launcher's
+# own exit after the workers' save (the launcher waits up to the budget + 5 s for them). The k8s manifests'
+# terminationGracePeriodSeconds are STOP_TIMEOUT + GRACE_MARGIN_S (tests/test_k8s.py).
+GRACE_MARGIN_S = 20
 # Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and QUIT
 # on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -412,11 +421,32 @@ def explain(output: str, opts: dict[str, str | None]) -> str:
     return f"torchrun failed (--max-restarts={restarts}); see the output above and the run directory's logs"
 
 
+def requeue_exit_code(env: Mapping[str, str]) -> int:
+    """The code the launcher exits with for "stopped after a checkpoint": REQUEUE_EXIT_CODE, or 75."""
+    value = env.get(REQUEUE_CODE_VAR, "").strip()
+    if not value:
+        return EXIT_REQUEUE
+    if not value.isdigit() or not 3 <= int(value) <= 255:
+        raise ConfigError(f"{REQUEUE_CODE_VAR} must be an exit code from 3 to 255 (0, 1 and 2 mean done, failed "
+                          f"and usage error), got {value!r}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    rc = _main(argv)
+    if rc == EXIT_REQUEUE and (code := requeue_exit_code(os.environ)) != EXIT_REQUEUE:
+        print(f"launch: exit {code} in place of {EXIT_REQUEUE} ({REQUEUE_CODE_VAR}={code}): the scheduler retries "
+              f"it", file=sys.stderr)
+        return code
+    return rc
+
+
+def _main(argv: list[str] | None) -> int:
     signals = Signals()
     signals.install()  # first: a stop during the launcher's own work is never lost, nor kills it half-way
     args, train_args = parse_args(argv)
     try:
+        requeue_exit_code(os.environ)  # a bad value is a usage error now, not at the end of a run
         cfg = check_training_args(train_args)
         opts = resolve(args, os.environ)
         cmd = torchrun_command(opts, train_args)
