@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import data, distributed, optim
+from train import data, distributed, hang, optim
 from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
@@ -269,6 +269,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         check_tracker(cfg, denv.rank)  # e.g. W&B online without an API key: exit 2 before anything is written
         parts = build(cfg, denv, device)
         log = parts.log
+        hang.start(cfg.run_dir, denv)  # the hosts of all ranks; who hung, should a collective time out
         ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
         ckpt.install_signal_handler()
         resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
@@ -300,6 +301,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None:
             raise
+        if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
+            reason = who
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
               file=sys.stderr)
         return 1
