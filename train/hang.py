@@ -53,6 +53,8 @@ def start(run_dir: Path, denv: DistEnv) -> None:
     gathered: list = [None] * denv.world_size
     dist.all_gather_object(gathered, (hostname(), launch_id()))
     PEERS.extend(tuple(p) for p in gathered)
+    if launch_id():  # a line left by a group this launch ran before (torchrun restarted it) is not this one's
+        (run_dir / ".launch" / f"{launch_id()}.HANG").unlink(missing_ok=True)
     if os.environ.get("TRAIN_HANG_REPORT", "1") in ("", "0"):
         return
     store = _store(None)
@@ -170,8 +172,9 @@ def compose(states: dict[int, dict | None], op: str | None, seq: int | None, wor
 
 
 def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
-    """After this rank's collective timed out: the one line naming who did not join it (composed here by the
-    first rank to time out, read from the store by the others); None where no report can be made."""
+    """After this rank's collective timed out: the one line naming who did not join it, left for every node's
+    launcher. Returned by the first rank to time out, which composes it (None on the others: they wait until
+    it is written, so that none ends its node's torchrun before); also None where no report can be made."""
     if denv.world_size == 1 or "store" not in _ctx:
         return None
     rank = denv.rank
@@ -191,7 +194,7 @@ def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
     try:
         if not first:
             store.wait(["done"], datetime.timedelta(seconds=ANSWER_S + 5))
-            return store.get("line").decode()
+            return None
         deadline = time.monotonic() + ANSWER_S
         keys = [f"state/{r}" for r in range(denv.world_size)]
         while not store.check(keys) and time.monotonic() < deadline:

@@ -301,10 +301,10 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None:
             raise
-        if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
-            reason = who
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
+        if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
+            print(f"[rank {denv.rank}] error: {who}", file=sys.stderr)  # who did not join (train/hang.py)
         return 1
     finally:
         if ckpt is not None:
