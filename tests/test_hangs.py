@@ -76,9 +76,9 @@ def test_a_rank_stuck_in_python_is_named_with_its_host_collective_and_line(make_
     for rc, last, text in last_lines(la, lb):
         assert rc == 1, text[-3000:]
         # e.g. error: rank 1 on n2 did not join broadcast #35 (rank 0 waited 12 s); rank 1 was in
-        # spin_task.py:18 __getitem__: while ...; every rank's stack: RUN/logs/rank*.stacks.txt
+        # spin_task.py:18 __getitem__ (while ...); every rank's stack: RUN/logs/rank*.stacks.txt
         m = re.fullmatch(r"error: rank 1 on n2 did not join (\w+) #(\d+) \(rank 0 waited 12 s\); rank 1 was in "
-                         rf"spin_task\.py:{SPIN_LINE} __getitem__: while self\.reads > 24 .*; every rank's stack: "
+                         rf"spin_task\.py:{SPIN_LINE} __getitem__ \(while self\.reads > 24 .*\); every rank's stack: "
                          r"(\S+)/rank\*\.stacks\.txt", last)
         assert m, text[-3000:]
         assert m[1] in ("broadcast", "all_reduce") and int(m[2]) > 3 and m[3] == str(run / "logs"), last

@@ -91,14 +91,15 @@ _LIBS = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("st
 
 def user_frame(frame) -> str | None:
     """The innermost frame of train/ or the user's code (not the standard library, not an installed package):
-    `file.py:LINE function: code`."""
+    `file.py:LINE function (code)`."""
     import linecache
 
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith("<") and not os.path.realpath(name).startswith(_LIBS):
             code = linecache.getline(name, frame.f_lineno).strip()
-            return f"{os.path.basename(name)}:{frame.f_lineno} {frame.f_code.co_name}" + (f": {code}" if code else "")
+            code = code if len(code) <= 80 else code[:77] + "..."
+            return f"{os.path.basename(name)}:{frame.f_lineno} {frame.f_code.co_name}" + (f" ({code})" if code else "")
         frame = frame.f_back
     return None
 
@@ -130,11 +131,13 @@ def _answer() -> None:
         state = _state(rank)
         store.compare_set(f"state/{rank}", "", json.dumps(state))  # a rank that timed out has said its own
         _dump_stacks(rank, _ctx["run_dir"])
-        if state["in_collective"]:
+        if state["in_collective"] or _ctx.get("reporting"):
             return  # its own timeout reports it
         store.wait(["done"], datetime.timedelta(seconds=ANSWER_S + 10))
         line = store.get("line").decode()
     except Exception:  # the store is gone: the job ended, or is ending
+        return
+    if _ctx.get("reporting"):  # its collective timed out meanwhile: the main thread ends it
         return
     print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
     exit_process(1)  # stuck outside a collective: end, so that this node's torchrun ends too
@@ -178,6 +181,7 @@ def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
     if denv.world_size == 1 or "store" not in _ctx:
         return None
     rank = denv.rank
+    _ctx["reporting"] = True  # this rank's answering thread leaves the ending to this one
     fr = fr_state()
     op, seq = (fr[0], fr[1]) if fr else (None, None)
     mine = {"rank": rank, "op": op, "seq": seq, "in_collective": True}
