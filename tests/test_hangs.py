@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import TINY, clean_env, metrics
-from tests.procs import wait_for, workers
+from tests.procs import finish, launch, wait_for, workers
 from tests.test_hosts import node, wait
 
 SPIN_TASK = '''
@@ -121,3 +121,17 @@ def test_the_line_names_every_rank_that_did_not_join_and_ranges_of_the_ones_that
             "did not answer (stopped or frozen); rank 6 was waiting in broadcast #1235")
     finally:
         hang.PEERS.clear()
+
+
+def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(tmp_path):
+    """Rank 0's process serves the group's store (env://): frozen, it takes the store with it. A new connection
+    to it would wait forever; the others still end, within seconds of their timeout, naming it."""
+    proc = launch(tmp_path, "dist.timeout_s=10", "train.steps=40", launcher=("--nproc-per-node=2", "--stop-timeout=5"))
+    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(tmp_path)),
+             120, "step 3")
+    os.kill(workers(proc.pid)[0], signal.SIGSTOP)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 1, err[-3000:]
+    assert re.fullmatch(r"error: rank 0 on \S+ did not answer \(stopped or frozen, or its host was lost: it holds the "
+                        r"process group's store\); rank 1 waited 10 s in (broadcast|all_reduce) #\d+",
+                        err.strip().splitlines()[-1]), err[-3000:]

@@ -57,8 +57,8 @@ def start(run_dir: Path, denv: DistEnv) -> None:
         (run_dir / ".launch" / f"{launch_id()}.HANG").unlink(missing_ok=True)
     if os.environ.get("TRAIN_HANG_REPORT", "1") in ("", "0"):
         return
-    store = _store(None)
-    _ctx.update(rank=denv.rank, run_dir=run_dir, store=store, main=threading.main_thread())
+    _ctx.update(rank=denv.rank, run_dir=run_dir, store=_store(None), report_store=_store(ANSWER_S),
+                main=threading.main_thread())
     threading.Thread(target=_answer, name="hang-answer", daemon=True).start()
 
 
@@ -177,41 +177,52 @@ def compose(states: dict[int, dict | None], op: str | None, seq: int | None, wor
 def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
     """After this rank's collective timed out: the one line naming who did not join it, left for every node's
     launcher. Returned by the first rank to time out, which composes it (None on the others: they wait until
-    it is written, so that none ends its node's torchrun before); also None where no report can be made."""
+    it is written, so that none ends its node's torchrun before); also None where no report can be made.
+    Bounded in time: a store whose host is frozen (rank 0's process under env://) accepts connections and
+    never answers, so the exchange runs on a thread of its own and is given up after a few seconds."""
     if denv.world_size == 1 or "store" not in _ctx:
         return None
     rank = denv.rank
     _ctx["reporting"] = True  # this rank's answering thread leaves the ending to this one
     fr = fr_state()
     op, seq = (fr[0], fr[1]) if fr else (None, None)
-    mine = {"rank": rank, "op": op, "seq": seq, "in_collective": True}
-    try:
-        store = _store(ANSWER_S)
-        store.set(f"state/{rank}", json.dumps(mine))
-        store.set("ask", "1")
-        first = store.add("composer", 1) == 1
-    except Exception:  # the store's host (rank 0 under env://) does not answer
-        line = (f"the process group's store did not answer (rank 0 on {host_of(0)} holds it: stopped or frozen, or its "
-                f"host was lost); rank {rank} waited {timeout_s:g} s in {f'{op} #{seq}' if op else 'a collective'}")
-        _leave(run_dir, line)
-        return line
-    try:
-        if not first:
-            store.wait(["done"], datetime.timedelta(seconds=ANSWER_S + 5))
-            return None
-        deadline = time.monotonic() + ANSWER_S
-        keys = [f"state/{r}" for r in range(denv.world_size)]
-        while not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        states = {r: json.loads(store.get(k)) if store.check([k]) else None for r, k in enumerate(keys)}
-        line = compose(states, op, seq, denv.world_size, timeout_s)
-        line += f"; every rank's stack: {run_dir / 'logs'}/rank*.stacks.txt"
-        _leave(run_dir, line)
-        store.set("line", line)
-        store.set("done", "1")
-        return line
-    except Exception:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["line"] = _exchange(run_dir, denv, op, seq, timeout_s)
+        except Exception:  # the store's host is gone
+            pass
+
+    exchange = threading.Thread(target=run, name="hang-report", daemon=True)
+    exchange.start()
+    exchange.join(2 * ANSWER_S + 5)
+    if "line" in result:
+        return result["line"]
+    line = (f"rank 0 on {host_of(0)} did not answer (stopped or frozen, or its host was lost: it holds the process "
+            f"group's store); rank {rank} waited {timeout_s:g} s in {f'{op} #{seq}' if op else 'a collective'}")
+    _leave(run_dir, line)
+    return line
+
+
+def _exchange(run_dir: Path, denv: DistEnv, op: str | None, seq: int | None, timeout_s: float) -> str | None:
+    store = _ctx["report_store"]  # connected at start: a new connection to a frozen store would wait forever
+    store.set(f"state/{denv.rank}", json.dumps({"rank": denv.rank, "op": op, "seq": seq, "in_collective": True}))
+    store.set("ask", "1")
+    if store.add("composer", 1) != 1:
+        store.wait(["done"], datetime.timedelta(seconds=ANSWER_S + 5))
         return None
+    deadline = time.monotonic() + ANSWER_S
+    keys = [f"state/{r}" for r in range(denv.world_size)]
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    states = {r: json.loads(store.get(k)) if store.check([k]) else None for r, k in enumerate(keys)}
+    line = compose(states, op, seq, denv.world_size, timeout_s)
+    line += f"; every rank's stack: {run_dir / 'logs'}/rank*.stacks.txt"
+    _leave(run_dir, line)
+    store.set("line", line)
+    store.set("done", "1")
+    return line
 
 
 def _leave(run_dir: Path, line: str) -> None:
