@@ -62,6 +62,16 @@ def start(run_dir: Path, denv: DistEnv) -> None:
     threading.Thread(target=_answer, name="hang-answer", daemon=True).start()
 
 
+def stop() -> None:
+    """At this rank's end (every exit of the trainer): its answering thread returns, so that it is not left
+    waiting on a store that rank 0's exit closes (torch would log that failure, with its C++ frames)."""
+    if "report_store" in _ctx and not _ctx.get("reporting"):  # (after a report its connection may be stuck)
+        try:
+            _ctx["report_store"].set(f"wake/{_ctx['rank']}", "end")
+        except Exception:
+            pass
+
+
 def _store(timeout_s: float | None) -> dist.Store:
     """A connection of its own to the group's store (the main thread's is never held by this thread)."""
     store = dist.distributed_c10d._get_default_store().clone()
@@ -127,7 +137,8 @@ def _answer() -> None:
     """The answering thread: blocked on the store until a rank's collective times out."""
     rank, store = _ctx["rank"], _ctx["store"]
     try:
-        store.wait(["ask"])
+        if store.get(f"wake/{rank}") == b"end":  # this rank's own end (stop()): the store may go any moment
+            return
         state = _state(rank)
         store.compare_set(f"state/{rank}", "", json.dumps(state))  # a rank that timed out has said its own
         _dump_stacks(rank, _ctx["run_dir"])
@@ -208,10 +219,11 @@ def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
 def _exchange(run_dir: Path, denv: DistEnv, op: str | None, seq: int | None, timeout_s: float) -> str | None:
     store = _ctx["report_store"]  # connected at start: a new connection to a frozen store would wait forever
     store.set(f"state/{denv.rank}", json.dumps({"rank": denv.rank, "op": op, "seq": seq, "in_collective": True}))
-    store.set("ask", "1")
     if store.add("composer", 1) != 1:
         store.wait(["done"], datetime.timedelta(seconds=ANSWER_S + 5))
         return None
+    for r in range(denv.world_size):
+        store.set(f"wake/{r}", "ask")
     deadline = time.monotonic() + ANSWER_S
     keys = [f"state/{r}" for r in range(denv.world_size)]
     while not store.check(keys) and time.monotonic() < deadline:

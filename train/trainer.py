@@ -313,5 +313,6 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             parts.log.info(trace)
         if parts is not None:
             parts.log.close(exit_code)
+        hang.stop()
         distributed.teardown()
 
