@@ -9,6 +9,7 @@ import os
 import re
 import select
 import signal
+import socket
 import struct
 import subprocess
 import termios
@@ -224,8 +225,10 @@ def test_a_slow_rank_is_named_once_and_other_ranks_print_no_progress_even_when_f
     assert ratios[len(ratios) // 2] > 1.25, ratios
     rank1 = [m["samples_per_s_rank"] for m in train]
     assert sum(r[1] < r[0] for r in rank1) > len(rank1) / 2, rank1
-    warnings = re.findall(r"WARNING straggler: rank (\d) needs ([\d.]+)x the time of the fastest rank", out0 + err0)
+    warnings = re.findall(r"WARNING straggler: rank (\d) on (\S+) needs ([\d.]+)x the time of the fastest rank",
+                          out0 + err0)
     assert len(warnings) == 1 and warnings[0][0] == "1", out0  # once, then quiet for 10 log steps
+    assert warnings[0][1] == socket.gethostname(), warnings  # its host: ranks' hostnames are gathered at start
     # log.progress_bar=always: rank 0 draws the bar, rank 1 still prints nothing.
     assert BAR.search(out0) and "\r" in out0, out0[-2000:]
     assert out1 == "", out1

@@ -641,6 +641,9 @@ def _verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budg
               f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
               f"plus one checkpoint save plus a margin), and the scheduler's grace period above it", file=sys.stderr)
         return 1
+    if failure is None and (hang := _marker(cfg.run_dir, "HANG", launch_id)) is not None:
+        print(f"error: {hang.get('error', 'a collective timed out')}", file=sys.stderr)  # train/hang.py's line
+        return 1
     print(failure or f"error: {explain(''.join(tail), opts)}", file=sys.stderr)
     return 1
 

@@ -160,7 +160,10 @@ class RunLog:
         if ratio <= self.lcfg.straggler_threshold or self._windows < 2 or self._windows < self._quiet_until:
             return
         self._quiet_until = self._windows + STRAGGLER_REPEAT
-        self.warning(f"straggler: rank {r['slowest_rank']} needs {ratio:.2f}x the time of the fastest rank "
+        from train.hang import host_of  # the hosts of all ranks, all-gathered at start
+
+        rank = r["slowest_rank"]
+        self.warning(f"straggler: rank {rank} on {host_of(rank)} needs {ratio:.2f}x the time of the fastest rank "
                      f"(log.straggler_threshold={self.lcfg.straggler_threshold:g}) at step {r['step']}; "
                      f"it waits {r.get('slowest_data_wait_share', 0):.0%} of its steps for data; "
                      f"quiet for the next {STRAGGLER_REPEAT} log steps")

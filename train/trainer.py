@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from train import data, distributed, optim, parallel
+from train import data, distributed, hang, optim, parallel
 from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
@@ -271,6 +271,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         check_tracker(cfg, denv.rank)  # e.g. W&B online without an API key: exit 2 before anything is written
         parts = build(cfg, denv, device)
         log = parts.log
+        hang.start(cfg.run_dir, denv)  # the hosts of all ranks; who hung, should a collective time out
         ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
         ckpt.install_signal_handler()
         resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
@@ -305,7 +306,9 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         if reason is None:
             raise
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-              file=sys.stderr)
+              file=sys.stderr, flush=True)
+        if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
+            print(f"[rank {denv.rank}] error: {who}", file=sys.stderr)  # who did not join (train/hang.py)
         return 1
     finally:
         if ckpt is not None:
@@ -314,5 +317,6 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             parts.log.info(trace)
         if parts is not None:
             parts.log.close(exit_code)
+        hang.stop()
         distributed.teardown()
 

@@ -1,0 +1,137 @@
+"""A hung rank is named: which rank, on which host, in which collective, and where it was (train/hang.py).
+
+Two real hosts (network namespaces, tests/hosts.py), one gloo rank each, real launchers and torchrun agents;
+rank 1 (on host n2) hangs after step 3, either stuck in Python (an endless loop in its dataset's
+__getitem__, a task file of the test's own) or frozen outright (SIGSTOP). Every node's launcher must end
+with one line that names it, exit 1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from tests.conftest import TINY, clean_env, metrics
+from tests.procs import finish, launch, wait_for, workers
+from tests.test_hosts import node, wait
+
+SPIN_TASK = '''
+import os
+
+from train.tasks.image import ImageClassification
+
+
+class SpinAfter:
+    """The training set: on rank 1, after 24 samples (3 steps), an endless loop in __getitem__."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        while self.reads > 24 and os.environ.get("RANK") == "1":
+            pass  # the hang
+        return self.inner[index]
+
+
+class Spin(ImageClassification):
+    def datasets(self):
+        train, ev = super().datasets()
+        return SpinAfter(train), ev
+'''
+
+SPIN_LINE = next(n for n, line in enumerate(SPIN_TASK.splitlines(), 1) if "while" in line)
+TIMEOUT = ["dist.timeout_s=12", "train.steps=40"]
+ARGS = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=n1:29400", "--stop-timeout=5"]
+
+
+def start(make_hosts, tmp_path: Path, *overrides: str):
+    a, b = make_hosts("n1", "n2")
+    run = tmp_path / "run"
+    over = [*TINY, *TIMEOUT, *overrides]
+    pa = a.popen(node(run, *ARGS, "--rdzv-id=hang", overrides=over), clean_env(), tmp_path / "a.log")
+    pb = b.popen(node(run, *ARGS, "--rdzv-id=hang", overrides=over), clean_env(), tmp_path / "b.log")
+    # Ranks follow the nodes' addresses (torch's rendezvous sorts them): n1's is rank 0, n2's rank 1.
+    ranks = wait_for(lambda: workers(pb.pid), 120, "the worker on n2")
+    assert list(ranks) == [1], ranks
+    return run, (pa, tmp_path / "a.log"), (pb, tmp_path / "b.log"), ranks[1]
+
+
+def last_lines(*launches) -> list[tuple[int, str, str]]:
+    out = []
+    for proc, log in launches:
+        rc, text = wait(proc, log, 120)
+        out.append((rc, text.strip().splitlines()[-1], text))
+    return out
+
+
+def test_a_rank_stuck_in_python_is_named_with_its_host_collective_and_line(make_hosts, tmp_path):
+    (tmp_path / "spin_task.py").write_text(SPIN_TASK)
+    run, la, lb, _ = start(make_hosts, tmp_path, f"task.name={tmp_path / 'spin_task.py'}:Spin")
+    for rc, last, text in last_lines(la, lb):
+        assert rc == 1, text[-3000:]
+        # e.g. error: rank 1 on n2 did not join broadcast #35 (rank 0 waited 12 s); rank 1 was in
+        # spin_task.py:18 __getitem__ (while ...); every rank's stack: RUN/logs/rank*.stacks.txt
+        m = re.fullmatch(r"error: rank 1 on n2 did not join (\w+) #(\d+) \(rank 0 waited 12 s\); rank 1 was in "
+                         rf"spin_task\.py:{SPIN_LINE} __getitem__ \(while self\.reads > 24 .*\); every rank's stack: "
+                         r"(\S+)/rank\*\.stacks\.txt", last)
+        assert m, text[-3000:]
+        assert m[1] in ("broadcast", "all_reduce") and int(m[2]) > 3 and m[3] == str(run / "logs"), last
+    # Both ranks' stacks, every thread: rank 1's shows the loop and how the trainer got there.
+    stacks = (run / "logs" / "rank1.stacks.txt").read_text()
+    assert f"spin_task.py\", line {SPIN_LINE} in __getitem__" in stacks and "in train_step" in stacks, stacks
+    assert (run / "logs" / "rank0.stacks.txt").exists()
+    assert max(m["step"] for m in metrics(run) if "loss" in m) == 3
+
+
+def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
+    run, la, lb, pid = start(make_hosts, tmp_path)
+    wait_for(lambda: (run / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(run)), 120,
+             "step 3")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    for rc, last, text in last_lines(la, lb):
+        assert rc == 1, text[-3000:]
+        assert re.fullmatch(r"error: rank 1 on n2 did not join (broadcast|all_reduce) #\d+ \(rank 0 waited 12 s\); "
+                            r"rank 1 did not answer \(stopped or frozen\); every rank's stack: \S+", last), text[-3000:]
+    print(f"both launchers ended {time.monotonic() - stopped:.1f} s after the SIGSTOP")
+    assert (run / "logs" / "rank0.stacks.txt").exists() and not (run / "logs" / "rank1.stacks.txt").exists()
+
+
+def test_the_line_names_every_rank_that_did_not_join_and_ranges_of_the_ones_that_waited():
+    from train import hang
+
+    hang.PEERS[:] = [(f"n{r // 2}", None) for r in range(8)]
+    try:
+        waiting = {"op": "all_reduce", "seq": 1234, "in_collective": True}
+        states = {r: {"rank": r, **waiting} for r in (0, 1, 2, 4, 5, 6, 7)}
+        states[3] = {"rank": 3, "op": "all_reduce", "seq": 1233, "in_collective": False,
+                     "where": "data.py:212 __iter__ (batch = next(it))"}
+        assert hang.compose(states, "all_reduce", 1234, 8, 600) == (
+            "rank 3 on n1 did not join all_reduce #1234 (ranks 0-2, 4-7 waited 600 s); rank 3 was in data.py:212 "
+            "__iter__ (batch = next(it))")
+        states[3], states[6] = None, {"rank": 6, "op": "broadcast", "seq": 1235, "in_collective": True}
+        assert hang.compose(states, "all_reduce", 1234, 8, 600) == (
+            "rank 3 on n1 and rank 6 on n3 did not join all_reduce #1234 (ranks 0-2, 4-5, 7 waited 600 s); rank 3 "
+            "did not answer (stopped or frozen); rank 6 was waiting in broadcast #1235")
+    finally:
+        hang.PEERS.clear()
+
+
+def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(tmp_path):
+    """Rank 0's process serves the group's store (env://): frozen, it takes the store with it. A new connection
+    to it would wait forever; the others still end, within seconds of their timeout, naming it."""
+    proc = launch(tmp_path, "dist.timeout_s=10", "train.steps=40", launcher=("--nproc-per-node=2", "--stop-timeout=5"))
+    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(tmp_path)),
+             120, "step 3")
+    os.kill(workers(proc.pid)[0], signal.SIGSTOP)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 1, err[-3000:]
+    assert re.fullmatch(r"error: rank 0 on \S+ did not answer \(stopped or frozen, or its host was lost: it holds the "
+                        r"process group's store\); rank 1 waited 10 s in (broadcast|all_reduce) #\d+",
+                        err.strip().splitlines()[-1]), err[-3000:]
