@@ -22,6 +22,7 @@ one plain file of a checkpoint's weights.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import mmap
@@ -31,6 +32,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -46,7 +48,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from train.config import Config, ConfigError, to_dict
-from train.distributed import launch_id
+from train.distributed import launch_id, sync_buffers
 
 FORMAT = 2
 NAME = re.compile(r"^step_(\d{8})$")  # a checkpoint folder
@@ -129,7 +131,7 @@ def verify(path: Path, share: int = 0, shares: int = 1) -> dict:
     `shares`-th one from the `share`-th: the ranks split the reading); raises ValueError saying what is
     wrong with it."""
     if OLD_NAME.match(path.name) and path.is_file():
-        raise ValueError(f"is in the format of an earlier version of this project: {_CONVERT}")
+        raise ValueError(f"is in the format of an earlier version of this project: {_convert_hint(path.parent)}")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = sorted(manifest["files"].items())
@@ -271,7 +273,8 @@ def _old_checkpoints(directory: Path) -> list[Path]:
                   reverse=True)
 
 
-_CONVERT = "convert its run with `python -m train.checkpoint --convert RUN_DIR`, then resume"
+def _convert_hint(folder: Path) -> str:
+    return f"convert it with `python -m train.checkpoint --convert {folder}`, then resume"
 
 
 def _meta(path: Path) -> dict:
@@ -458,6 +461,9 @@ class Checkpointer:
         ranks = [None] * self.world_size
         dist.all_gather_object(ranks, mine)
         self.wait()  # the next save waits for the previous one
+        # DCP writes each replicated tensor from one rank of its choosing: every rank holds rank 0's buffers
+        # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
+        sync_buffers(parts.raw)
         tensors, rest = _tensor_state(parts)
         trainer = {
             "format": FORMAT,
@@ -561,7 +567,7 @@ class Checkpointer:
         own = complete_checkpoints(self.dir)
         if not own and (old := _old_checkpoints(self.dir)):
             raise ConfigError(f"{old[0]} is a checkpoint of an earlier version of this project (one .pt file): "
-                              f"{_CONVERT}")
+                              f"{_convert_hint(self.dir)}")
         if r == "auto":
             return own
         p = Path(r)
@@ -585,9 +591,13 @@ class Checkpointer:
 
     @staticmethod
     def _resume_targets(p: Path) -> list[Path]:
-        if OLD_NAME.match(p.name) and p.is_file() or not complete_checkpoints(p) and _old_checkpoints(p):
+        for d in (p, p / "checkpoints"):
+            if not complete_checkpoints(d) and _old_checkpoints(d):
+                raise ConfigError(f"resume: {p} holds checkpoints of an earlier version of this project (one .pt "
+                                  f"file each): {_convert_hint(d)}")
+        if OLD_NAME.match(p.name) and p.is_file():
             raise ConfigError(f"resume: {p} is a checkpoint of an earlier version of this project (one .pt file): "
-                              f"{_CONVERT}")
+                              f"{_convert_hint(p.parent)}")
         if NAME.match(p.name) and p.is_dir():
             return [p]
         for d in (p, p / "checkpoints"):
@@ -723,9 +733,10 @@ class Checkpointer:
         self.tracker_id = state.get("tracker", {}).get("run_id")
         if state["world_size"] == self.world_size:
             _set_rng_state(state["rng"][self.rank], parts.device)
-            window = state["window"][self.rank]  # this rank's loss sum since the last log step, bit for bit
-            parts.window_loss.fill_(window["loss"])
-            parts.window_steps = int(window["steps"])
+            if "window" in state:  # this rank's loss sum since the last log step, bit for bit
+                window = state["window"][self.rank]
+                parts.window_loss.fill_(window["loss"])
+                parts.window_steps = int(window["steps"])
         else:
             seen = state["step"] * self.cfg.train.global_batch_size
             self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "
@@ -736,3 +747,71 @@ class Checkpointer:
 
 def _model_shapes_of(parts) -> dict:
     return {k: tuple(v.shape) for k, v in get_model_state_dict(parts.raw).items()}
+
+
+# ---------------------------------------------------------------- checkpoints of format 1
+
+def _read_old(path: Path) -> dict:
+    """A checkpoint of format 1 (one step_XXXXXXXX.pt and its .json), its CRC checked, loaded weights_only."""
+    meta = json.loads(path.with_suffix(".json").read_text())
+    if _file_crc(path) != {"bytes": meta.get("bytes"), "crc32": meta.get("crc32")}:
+        raise ValueError(f"{path} fails its checksum")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def convert(directory: Path) -> list[Path]:
+    """Write each format-1 checkpoint of a folder (up to the one `latest` names) as a checkpoint folder of
+    this format, in this one process; the .pt and .json files stay."""
+    from train import config, optim
+
+    latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "~"
+    done = []
+    for old in reversed([p for p in _old_checkpoints(directory) if p.name <= latest]):  # `latest` ends at the newest
+        state = _read_old(old)
+        cfg = config.from_dict(state["config"])
+        model = cfg.task_class(cfg.task, cfg.seed).model()
+        model.load_state_dict(state["model"])
+        optimizer = optim.build(cfg.optim, model)
+        optimizer.load_state_dict(state["optimizer"])
+        tensors, rest = _split(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True)))
+        tmp = directory / f".{old.stem}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+        trainer = {k: v for k, v in state.items() if k not in ("model", "optimizer")} | {"format": FORMAT,
+                                                                                          "rest": rest}
+        _write_atomic(tmp / TRAINER, lambda f, t=trainer: torch.save(t, f))
+        extra = {"world_size": state["world_size"], "converted_from": old.name}
+        done.append(_publish(directory, tmp, int(state["step"]), _own_files(tmp, 0), extra))
+    return done
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage block + error line -> one line
+        print(f"error: {message} (see python -m train.checkpoint --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m train.checkpoint", description="Convert the checkpoints of an earlier version "
+                "of this project (step_XXXXXXXX.pt and .json) into checkpoint folders that this one resumes from.")
+    p.add_argument("--convert", metavar="RUN_DIR", required=True, help="a run directory (or its checkpoints/ folder)")
+    run_dir = Path(p.parse_args(argv).convert)
+    directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    if not _old_checkpoints(directory):
+        print(f"error: {run_dir} holds no checkpoint of an earlier version (step_XXXXXXXX.pt and its .json)",
+              file=sys.stderr)
+        return 2
+    try:
+        done = convert(directory)
+    except (ValueError, OSError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {len(done)} checkpoint(s) in {directory}: {', '.join(p.name for p in done)} (`latest` names "
+          f"{done[-1].name if done else 'none'}); the .pt and .json files they came from can be deleted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
