@@ -520,10 +520,16 @@ class Checkpointer:
         try:
             t = time.perf_counter()
             upload()
-            if self.rank == 0:
-                _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
+            try:
+                if self.rank == 0:
+                    _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
+                mine = _own_files(tmp, self.rank)
+            except OSError as e:  # still sent: no rank waits alone in the gather
+                mine = f"rank {self.rank}: {e}"
             files = [None] * self.world_size
-            dist.all_gather_object(files, _own_files(tmp, self.rank), group=self._group)
+            dist.all_gather_object(files, mine, group=self._group)
+            if failed := [f for f in files if isinstance(f, str)]:
+                raise OSError(failed[0])
             if self.rank == 0:
                 extra = {"world_size": self.world_size} | ({"rollback": self.rollback} if self.rollback else {})
                 path = _publish(self.dir, tmp, step, {k: v for f in files for k, v in f.items()}, extra)
