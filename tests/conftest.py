@@ -106,8 +106,11 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def latest_state(run_dir: Path) -> dict:
+    """The checkpoint `latest` names, as one dict (train.checkpoint.read_state: checked, read in this process)."""
+    from train.checkpoint import read_state
+
     ckpt = run_dir / "checkpoints"
-    return torch.load(ckpt / (ckpt / "latest").read_text().strip(), weights_only=True)
+    return read_state(ckpt / (ckpt / "latest").read_text().strip())
 
 
 def assert_same_training(reference: Path, run: Path) -> None:

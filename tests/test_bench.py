@@ -18,8 +18,9 @@ def test_benchmarks_smoke_writes_the_results_page(tmp_path):
                    "final weights bitwise equal to the same math",
                    "overhead, language model: python -m train / a nanoGPT", "same 2 cores: 2 processes / 1 process",
                    "data wait share of a step, ImageFolder",
-                   "checkpoint save / bare torch.save", "checkpoint save / the disk's write",
-                   "checkpoint load / torch.load(mmap=True)", "async save: training blocked",
+                   "checkpoint save, 2 ranks / one process's torch.save + fsync",
+                   "checkpoint save, 2 ranks / the disk's write", "dd conv=fsync of those bytes",
+                   "checkpoint load, 2 ranks / one process's torch.load(mmap=True)", "async save: training blocked",
                    "recovery after SIGKILL of a worker: total", "GPU: ResNet-50 224px"):
         row = next(line for line in page.splitlines() if figure in line)
         assert "not measured" not in row, row

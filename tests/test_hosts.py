@@ -95,8 +95,8 @@ def test_every_rank_resumes_from_the_same_checkpoint_when_one_node_cannot_read_t
     pa = a.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "a1.log")
     pb = b.popen(node(run, *args, "--rdzv-id=first", overrides=first), clean_env(), tmp_path / "b1.log")
     assert wait(pa, tmp_path / "a1.log")[0] == 0 and wait(pb, tmp_path / "b1.log")[0] == 0
-    newest = run / "checkpoints" / "step_00000008.pt"
-    damaged = tmp_path / "damaged.pt"
+    newest = run / "checkpoints" / "step_00000008" / "__0_0.distcp"  # rank 0's share of the tensors
+    damaged = tmp_path / "damaged.distcp"
     damaged.write_bytes(newest.read_bytes()[:1000])
     second = [*TINY, "train.steps=12", "checkpoint.every=4"]
     pa = a.popen(node(run, *args, "--rdzv-id=second", overrides=second), clean_env(), tmp_path / "a2.log")
@@ -109,8 +109,8 @@ def test_every_rank_resumes_from_the_same_checkpoint_when_one_node_cannot_read_t
     assert newest.stat().st_size > 1000  # the damage was only ever seen from node b
     for rank in (0, 1):
         log = (run / "logs" / f"rank{rank}.log").read_text()
-        assert "step_00000008.pt" in log and "all ranks trying the previous one" in log, log
-        assert f"resumed from {run / 'checkpoints' / 'step_00000004.pt'} at step 4" in log, log
+        assert "step_00000008" in log and "all ranks trying the previous one" in log, log
+        assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in log, log
     s = summary(run)
     assert s["steps"] == 12 and s["ranks_in_sync"], s
 
@@ -127,7 +127,7 @@ def test_losing_the_rendezvous_host_ends_the_others_in_one_line_and_a_restart_re
     pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a1.log")
     pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b1.log")
     deadline = time.monotonic() + 180
-    while not (run / "checkpoints" / "step_00000010.pt").exists():
+    while not (run / "checkpoints" / "step_00000010").exists():
         assert time.monotonic() < deadline and pb.poll() is None, (tmp_path / "b1.log").read_text()[-3000:]
         time.sleep(0.2)
     lost_at = time.monotonic()

@@ -134,8 +134,8 @@ def test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried(tmp_path,
         copy_run(finished_run, run_dir)
     if case == "no loadable checkpoint":  # a checkpoint whose bytes fail their CRC
         copy_run(finished_run / "checkpoints", tmp_path / "broken")
-        for pt in (tmp_path / "broken").glob("step_*.pt"):
-            pt.write_bytes(b"\0" * pt.stat().st_size)
+        for shard in (tmp_path / "broken").glob("step_*/__*.distcp"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)
     env = {k: v for k, v in clean_env(**extra_env).items() if v != ""}
     proc = launch(run_dir, *overrides, launcher=("--nproc-per-node=2", "--max-restarts=3"), env=env)
     rc, out, err = finish(proc, timeout=180)

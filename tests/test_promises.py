@@ -67,7 +67,7 @@ def test_adamw_trains_saves_its_moments_and_resumes_bitwise(tmp_path, adamw_run)
         assert st["exp_avg_sq"].abs().sum() > 0
     # Continue from step 12 in a new run directory: the same weights, moments and losses as the run that went on.
     resumed = tmp_path / "resumed"
-    proc = run_train(resumed, *ADAMW, f"resume={adamw_run / 'checkpoints' / 'step_00000012.pt'}")
+    proc = run_train(resumed, *ADAMW, f"resume={adamw_run / 'checkpoints' / 'step_00000012'}")
     assert "at step 12" in proc.stdout
     other = latest_state(resumed)
     for k, v in state["model"].items():

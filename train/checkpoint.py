@@ -1,44 +1,66 @@
 """Checkpoints: this module alone decides when to save, what to keep and which one is latest.
 
 Layout, in <run_dir>/checkpoints/:
-    step_00000100.pt     torch.save of a dict of tensors and plain types (torch.load(weights_only=True))
-    step_00000100.json   its size and CRC-32, written after the .pt is in place
-    latest               the name of the latest complete checkpoint
+    step_00000100/           one checkpoint: a torch.distributed.checkpoint (DCP) folder
+        __0_0.distcp, ...    the model's and optimizer's tensors, one file per rank: every rank writes (DCP
+                             spreads DDP's replicated tensors over the ranks; FSDP's shards are each rank's own)
+        .metadata            DCP's index of the tensors (rank 0)
+        trainer.pt           the rest (rank 0): step, data position, each rank's RNG states and loss window,
+                             the loss scaler, the optimizer's hyper-parameters, the config (weights_only)
+        manifest.json        the size and CRC-32 of each file above, written last, by rank 0
+    latest                   the name of the latest complete checkpoint
     abandoned/<time>-resumed-at-step-<N>/   checkpoints after step N, set aside by a resume from step N
-A write goes to a temporary file in the same directory, is fsynced and renamed into place, then the
-directory is fsynced; only then does `latest` move. A process killed at any point leaves the previous
-checkpoint intact, and a checkpoint without its .json, or whose bytes fail the CRC, never counts.
+A save goes to .step_00000100.tmp/: every rank writes and fsyncs its files, rank 0 adds the manifest once
+all have, fsyncs, renames the folder into place, and only then moves `latest`. A process killed at any
+point leaves the previous checkpoint intact; a folder without its manifest, or with a file that fails its
+size or CRC, never counts. Loading runs no code from the files: DCP reads the tensors (its .metadata is
+unpickled with a whitelist of DCP's own classes), torch.load(weights_only=True) the rest. A resume onto
+another world size reshards on load (DCP). Checkpoints of this project before DCP (one step_00000100.pt
+and its .json) are converted by `python -m train.checkpoint --convert RUN_DIR`; train/export.py writes
+one plain file of a checkpoint's weights.
 """
 
 from __future__ import annotations
 
-import ctypes
-import io
+import argparse
+import datetime
 import json
 import mmap
 import os
+import pickle
 import random
 import re
+import shutil
 import signal
+import sys
 import threading
 import time
+import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from train.config import Config, ConfigError, to_dict
-from train.distributed import launch_id
+from train.distributed import launch_id, sync_buffers
 
-FORMAT = 1
-NAME = re.compile(r"^step_(\d{8})\.pt$")
+FORMAT = 2
+NAME = re.compile(r"^step_(\d{8})$")  # a checkpoint folder
+OLD_NAME = re.compile(r"^step_(\d{8})\.pt$")  # format 1: one file (convert: python -m train.checkpoint --convert)
+MANIFEST, TRAINER = "manifest.json", "trainer.pt"
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
 # Always a stop (torchrun, Kubernetes, SLURM, Ctrl-C, a hang-up); plus checkpoint.signal. torchrun passes TERM,
 # INT, HUP and QUIT on to the workers as they came; HUP stays ignored where it was (nohup: see train/launch.py).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# How an asynchronous save runs DCP's write: a thread of each rank (measured against a process by
+# bench/checkpoint.py: it blocks training less here).
+ASYNC_TYPE = dcp.state_dict_saver.AsyncCheckpointerType.THREAD
 
 
 # ---------------------------------------------------------------- files
@@ -49,45 +71,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask Linux to start writing these pages to disk now, so the final fsync has little left to do."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
-
-
-try:
-    _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux
-    _sync_file_range = None
-
-
-class _CRCWriter(io.RawIOBase):
-    """The file torch.save streams into: keeps a CRC-32 of the bytes (computed on a second thread
-    while this one writes; zlib releases the GIL) and starts disk writeback as it goes."""
-
-    def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
-        self._pool = ThreadPoolExecutor(1)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        crc = self._pool.submit(zlib.crc32, b, self.crc)
-        n = self.f.write(b)
-        self.crc = crc.result()
-        if len(b) >= 1 << 20:
-            self.f.flush()
-            _start_writeback(self.f.fileno(), self.size, len(b))
-        self.size += len(b)
-        return n
-
-    def close(self) -> None:
-        self._pool.shutdown()
-        super().close()
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -102,58 +85,178 @@ def _write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_checkpoint(state: dict, directory: Path, step: int, extra: dict | None = None) -> Path:
-    """Write one complete checkpoint and move `latest` to it (the caller is the one writing rank).
-    `extra` goes into its .json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.pt"
-    meta = dict(extra or {})
+def _remove(path: Path) -> None:
+    """Remove a checkpoint folder: renamed first (at once it no longer counts), then deleted."""
+    gone = path.with_name(f".{path.name}.removed.tmp")
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
-    def write_pt(f):
-        with _CRCWriter(f) as w:
-            torch.save(state, w)
-            meta.update(crc32=w.crc, bytes=w.size)
 
-    _write_atomic(path, write_pt)
-    meta |= {"step": step, "file": path.name, "time": time.time()}
-    _write_atomic(path.with_suffix(".json"), lambda f: f.write(json.dumps(meta).encode()))
+def _file_crc(path: Path) -> dict:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return {"bytes": 0, "crc32": 0}
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return {"bytes": size, "crc32": zlib.crc32(m)}
+
+
+def _own_files(folder: Path, rank: int) -> dict[str, dict]:
+    """Size and CRC-32 of the files this rank wrote into a checkpoint folder (rank 0: also DCP's .metadata
+    and trainer.pt)."""
+    names = [p.name for p in folder.iterdir() if re.fullmatch(rf"__{rank}_\d+\.distcp", p.name)]
+    if rank == 0:
+        names += [".metadata", TRAINER]
+    return {n: _file_crc(folder / n) for n in sorted(names)}
+
+
+def _publish(directory: Path, tmp: Path, step: int, files: dict, extra: dict) -> Path:
+    """The last steps of a save (one process): the manifest of every rank's files, the folder renamed
+    into place, `latest` moved to it."""
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files} | extra
+    _write_atomic(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest).encode()))
+    _fsync_dir(tmp)
+    path = directory / f"step_{step:08d}"
+    if path.exists():  # the same step saved again (a stop right after a resume): the new one replaces it
+        _remove(path)
+    os.replace(tmp, path)
     _fsync_dir(directory)
     _write_atomic(directory / "latest", lambda f: f.write(f"{path.name}\n".encode()))
     _fsync_dir(directory)
     return path
 
 
-def read_checkpoint(path: Path) -> dict:
-    """Load and verify one checkpoint; raises ValueError saying what is wrong with it.
+def verify(path: Path, share: int = 0, shares: int = 1) -> dict:
+    """A checkpoint folder's manifest, after checking the size and CRC-32 of its files (of every
+    `shares`-th one from the `share`-th: the ranks split the reading); raises ValueError saying what is
+    wrong with it."""
+    if OLD_NAME.match(path.name) and path.is_file():
+        raise ValueError(f"is in the format of an earlier version of this project: {_convert_hint(path.parent)}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = sorted(manifest["files"].items())
+    except FileNotFoundError:
+        raise ValueError(f"incomplete (no {MANIFEST}: the save did not finish)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"unreadable ({MANIFEST}: {e})") from None
+    for name, want in files[share::shares]:
+        try:
+            got = _file_crc(path / name)
+        except OSError as e:
+            raise ValueError(f"unreadable ({name}: {e.strerror})") from None
+        if got["bytes"] != want.get("bytes"):
+            raise ValueError(f"fails its checksum ({name}: {got['bytes']} bytes, expected {want.get('bytes')})")
+        if got["crc32"] != want.get("crc32"):
+            raise ValueError(f"fails its checksum ({name}: CRC-32 differs)")
+    return manifest
 
-    The file is memory-mapped: the CRC pass pulls it into the page cache, and the tensors are then
-    read from there when copied into the model and optimizer."""
-    meta_path = path.with_suffix(".json")
-    if not meta_path.exists():
-        raise ValueError("incomplete (no .json: the save did not finish)")
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: only DCP's metadata classes, torch's sizes, dtypes and layouts and paths
+    may be in it; a planted file that names anything else fails to load instead of running it."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                                  "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module, name):
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is none of DCP's metadata classes")
+
+
+class Reader(dcp.FileSystemReader):
+    """DCP's reader of a checkpoint folder, with .metadata unpickled by _MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_state(path: Path, keys: tuple[str, ...] = ("model", "optimizer")) -> dict:
+    """The whole checkpoint as one dict (trainer.pt's fields, and `keys` of the tensors: "model",
+    "optimizer"), checked and read in this one process; raises ValueError saying what is wrong."""
+    verify(path)
     try:
-        meta = json.loads(meta_path.read_text())
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != meta.get("bytes"):
-                raise ValueError(f"fails its checksum ({size} bytes, expected {meta.get('bytes')})")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                crc = zlib.crc32(m)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"unreadable ({e})") from None
-    if crc != meta.get("crc32"):
-        raise ValueError("fails its checksum (CRC-32 differs)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a file that passes its CRC but does not load is corrupt all the same
-        raise ValueError(f"does not load ({type(e).__name__}: {e})") from None
+        state = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+        metadata = Reader(path).read_metadata()
+        tensors: dict = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata) and fqn.split(".", 1)[0] in keys:
+                tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=Reader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # one that passes its CRCs but does not load is corrupt all the same
+        raise ValueError(f"does not load ({_why(e)})") from None
+    return _merge(_unflatten(tensors, metadata), state.pop("rest", {})) | state
+
+
+def _why(e: BaseException) -> str:
+    """One line for what went wrong (of DCP's CheckpointException, the first failing rank's error)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = min(e.failures.items())[1]
+        e = e[0] if isinstance(e, tuple) else e
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def _unflatten(flat: dict, metadata: Metadata) -> dict:
+    """DCP's flat keys ("optimizer.state.fc.weight.momentum_buffer") back into nested dicts, by the paths
+    DCP recorded (a key's own dots are not a level)."""
+    mappings = metadata.planner_data or {}
+    tree: dict = {}
+    for fqn, value in flat.items():
+        *parents, last = mappings.get(fqn, tuple(fqn.split(".")))
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return tree
+
+
+def _split(tree: dict) -> tuple[dict, dict]:
+    """A nested dict's tensors, and the rest, each in the shape of the original."""
+    tensors, rest = {}, {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            t, r = _split(v)
+            if t:
+                tensors[k] = t
+            if r or not t:
+                rest[k] = r
+        elif torch.is_tensor(v):
+            tensors[k] = v
+        else:
+            rest[k] = v
+    return tensors, rest
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints with their .json, newest first, none newer than the one `latest` names."""
+    """Checkpoint folders with their manifest, newest first, none newer than the one `latest` names."""
     if not directory.is_dir():
         return []
-    found = sorted((p for p in directory.iterdir() if NAME.match(p.name) and p.with_suffix(".json").exists()),
+    found = sorted((p for p in directory.iterdir() if NAME.match(p.name) and (p / MANIFEST).exists()),
                    reverse=True)
     latest = directory / "latest"
     if latest.exists():
@@ -163,9 +266,20 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return found
 
 
+def _old_checkpoints(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if OLD_NAME.match(p.name) and p.with_suffix(".json").exists()),
+                  reverse=True)
+
+
+def _convert_hint(folder: Path) -> str:
+    return f"convert it with `python -m train.checkpoint --convert {folder}`, then resume"
+
+
 def _meta(path: Path) -> dict:
     try:
-        return json.loads(path.with_suffix(".json").read_text())
+        return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -211,15 +325,11 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _to_host(obj):
-    """A copy on the CPU that training can no longer change (for asynchronous saving)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return obj
+def _tensor_state(parts) -> tuple[dict, dict]:
+    """The model's and optimizer's state as DCP takes it (torch.distributed.checkpoint.state_dict: parameter
+    names for keys, DTensors where the model is sharded): its tensors, and the rest (hyper-parameters)."""
+    model, optimizer = get_state_dict(parts.raw, parts.optimizer)
+    return _split({"model": model, "optimizer": optimizer})
 
 
 def _task_diff(cfg: Config, state: dict) -> str:
@@ -237,10 +347,10 @@ def _task_diff(cfg: Config, state: dict) -> str:
 
 
 def _model_mismatch(expected: dict, got: dict) -> str | None:
+    """How two {name: shape} of a model differ (this run's, the checkpoint's); None when they do not."""
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
-    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    shapes = [f"{k} {got[k]} vs {v}" for k, v in expected.items() if k in got and got[k] != v]
     problems = []
     if shapes:
         problems.append(f"{len(shapes)} shape(s) differ, first {shapes[0]} (checkpoint vs config)")
@@ -251,33 +361,9 @@ def _model_mismatch(expected: dict, got: dict) -> str | None:
     return "; ".join(problems) or None
 
 
-def model_state(parts) -> tuple[dict, dict]:
-    """The whole model's and optimizer's state dicts. Under FSDP (parameters sharded over the ranks) they are
-    gathered to rank 0's memory, which alone gets them (the others get empty dicts): every rank calls this."""
-    from train.parallel import sharded
-
-    if not sharded(parts.raw):
-        return parts.raw.state_dict(), parts.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (get_model_state_dict(parts.raw, options=opts),
-            get_optimizer_state_dict(parts.raw, parts.optimizer, options=opts))
-
-
-def load_model_state(parts, model: dict, optimizer: dict) -> None:
-    """model_state()'s dicts back into the model and optimizer; under FSDP each rank keeps its shards of them."""
-    from train.parallel import sharded
-
-    if not sharded(parts.raw):
-        parts.raw.load_state_dict(model)
-        parts.optimizer.load_state_dict(optimizer)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(parts.raw, model, options=opts)
-    set_optimizer_state_dict(parts.raw, parts.optimizer, optimizer, options=opts)
+def _model_shapes(metadata: Metadata) -> dict:
+    return {fqn.split(".", 1)[1]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
 
 
 def check_fresh_start(cfg: Config) -> None:
@@ -302,9 +388,12 @@ class Checkpointer:
         self.saved_step: int | None = None  # the step of the last save started in this process
         self.resumed_from: Path | None = None  # the checkpoint this process resumed from
         # With resume=PATH into this run's own directory (a rollback): PATH, relative to the run directory. It
-        # goes into the .json of every save, so that a relaunch knows the rollback is done (find_resume).
+        # goes into the manifest of every save, so that a relaunch knows the rollback is done (find_resume).
         self.rollback: str | None = None
-        self._pending: threading.Thread | None = None
+        self._pending: threading.Thread | None = None  # a save being written in the background
+        # DCP's collectives (and this module's during a save) run in a process group of their own: an
+        # asynchronous save's never interleave with training's (gloo: DCP's are on host memory).
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
         self._error: BaseException | None = None
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
@@ -363,20 +452,22 @@ class Checkpointer:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def save(self, parts, blocking: bool = False) -> None:
-        """Called on every rank (each rank's RNG states and loss window are gathered); rank 0 writes."""
+        """Called on every rank: every rank writes its share of the tensors (DCP); rank 0 the rest, then the
+        manifest. With checkpoint.async (and not `blocking`), training blocks only for DCP's copy of the
+        tensors to host memory; the files are written in the background, one save at a time."""
         self.saved_step = parts.step
         mine = {"rng": _rng_state(parts.device),
                 "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
         ranks = [None] * self.world_size
         dist.all_gather_object(ranks, mine)
-        model, optimizer = model_state(parts)  # collective under FSDP
-        if self.rank != 0:
-            return
         self.wait()  # the next save waits for the previous one
-        state = {
+        # DCP writes each replicated tensor from one rank of its choosing: every rank holds rank 0's buffers
+        # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
+        sync_buffers(parts.raw)
+        tensors, rest = _tensor_state(parts)
+        trainer = {
             "format": FORMAT,
-            "model": model,
-            "optimizer": optimizer,
+            "rest": rest,  # the optimizer's hyper-parameters: all of its state that is not a tensor
             "scaler": parts.scaler.state_dict(),
             "step": parts.step,
             "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
@@ -386,18 +477,27 @@ class Checkpointer:
             "world_size": self.world_size,
             "config": to_dict(self.cfg),
             "tracker": {"run_id": self.tracker_id},
-        }
+        } if self.rank == 0 else None
+        tmp = self.dir / f".step_{parts.step:08d}.tmp"
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.cfg.checkpoint.async_ and not blocking:
-            state = _to_host(state)  # training blocks only for this copy
-            self._pending = threading.Thread(target=self._write, args=(state, parts.step), daemon=True)
+            try:
+                upload = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
+                                        async_checkpointer_type=ASYNC_TYPE)
+            except Exception as e:
+                raise RuntimeError(f"checkpoint save failed: {e}") from e
+            self._pending = threading.Thread(target=self._write, args=(upload.result, tmp, parts.step, trainer),
+                                             daemon=True)
             self._pending.start()
         else:
-            self._write(state, parts.step)
+            upload = lambda: dcp.save(tensors, storage_writer=writer, process_group=self._group)  # noqa: E731
+            self._write(upload, tmp, parts.step, trainer)
             self._raise_pending_error()
 
     def save_and_stop(self, parts) -> int:
         """The last save of a stopped run, then the STOPPED marker for the launcher; no rank exits before
-        rank 0 has written both. Returns the step the run stopped at (that of its last checkpoint).
+        the checkpoint is complete and every node's marker is written. Returns the step the run stopped
+        at (that of its last checkpoint).
 
         A stop ends with the last save if it is of this step or of the one before: a save in flight
         (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
@@ -408,19 +508,33 @@ class Checkpointer:
         else:
             self.save(parts, blocking=True)
             step = parts.step
-        if self.rank == 0:
-            self.wait()
+        self.wait()
         dist.barrier()  # the checkpoint is complete: every node's marker says so
         self._mark_stopped(step)
         dist.barrier()
         return step
 
-    def _write(self, state: dict, step: int) -> None:
+    def _write(self, upload, tmp: Path, step: int, trainer: dict | None) -> None:
+        """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then the CRC-32s of this
+        rank's files to rank 0, which writes the rest, the manifest and `latest` (_publish)."""
         try:
             t = time.perf_counter()
-            path = write_checkpoint(state, self.dir, step, {"rollback": self.rollback} if self.rollback else None)
-            self._retain()
-            self.log.info(f"saved {path} in {time.perf_counter() - t:.2f} s")
+            upload()
+            try:
+                if self.rank == 0:
+                    _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
+                mine = _own_files(tmp, self.rank)
+            except OSError as e:  # still sent: no rank waits alone in the gather
+                mine = f"rank {self.rank}: {e}"
+            files = [None] * self.world_size
+            dist.all_gather_object(files, mine, group=self._group)
+            if failed := [f for f in files if isinstance(f, str)]:
+                raise OSError(failed[0])
+            if self.rank == 0:
+                extra = {"world_size": self.world_size} | ({"rollback": self.rollback} if self.rollback else {})
+                path = _publish(self.dir, tmp, step, {k: v for f in files for k, v in f.items()}, extra)
+                self._retain()
+                self.log.info(f"saved {path} in {time.perf_counter() - t:.2f} s")
         except BaseException as e:  # reported by the training thread at the next save or at exit
             self._error = e
 
@@ -443,8 +557,7 @@ class Checkpointer:
             step = int(NAME.match(p.name).group(1))
             if c.keep_every and step % c.keep_every == 0:
                 continue
-            p.with_suffix(".json").unlink(missing_ok=True)  # first: without it the .pt no longer counts
-            p.unlink(missing_ok=True)
+            _remove(p)
 
     # ---- resuming
     def find_resume(self) -> list[Path]:
@@ -453,11 +566,14 @@ class Checkpointer:
         resume=PATH is where a new run starts. Once this run directory holds complete checkpoints of its
         own, the same command line relaunched (a requeue, a torchrun or pod restart) continues from them as
         resume=auto does, PATH last. A PATH inside this run directory rolls the run back to it, once: the
-        saves after the rollback carry PATH in their .json, and a relaunch continues from those."""
+        saves after the rollback carry PATH in their manifest, and a relaunch continues from those."""
         r = self.cfg.resume
         if r == "never":
             return []
         own = complete_checkpoints(self.dir)
+        if not own and (old := _old_checkpoints(self.dir)):
+            raise ConfigError(f"{old[0]} is a checkpoint of an earlier version of this project (one .pt file): "
+                              f"{_convert_hint(self.dir)}")
         if r == "auto":
             return own
         p = Path(r)
@@ -481,36 +597,45 @@ class Checkpointer:
 
     @staticmethod
     def _resume_targets(p: Path) -> list[Path]:
-        if p.is_file():
+        for d in (p, p / "checkpoints"):
+            if not complete_checkpoints(d) and _old_checkpoints(d):
+                raise ConfigError(f"resume: {p} holds checkpoints of an earlier version of this project (one .pt "
+                                  f"file each): {_convert_hint(d)}")
+        if OLD_NAME.match(p.name) and p.is_file():
+            raise ConfigError(f"resume: {p} is a checkpoint of an earlier version of this project (one .pt file): "
+                              f"{_convert_hint(p.parent)}")
+        if NAME.match(p.name) and p.is_dir():
             return [p]
         for d in (p, p / "checkpoints"):
             if d.is_dir() and (found := complete_checkpoints(d)):
                 return found
-        raise ConfigError(f"resume: {p} is neither a checkpoint file nor a folder holding checkpoints")
+        raise ConfigError(f"resume: {p} is neither a checkpoint folder nor a folder holding checkpoints")
 
     def resume(self, parts) -> bool:
         """Load the best complete checkpoint into parts; False when starting fresh."""
         if self.rank == 0:
             (self.cfg.run_dir / "STOPPED").unlink(missing_ok=True)
-            if self.dir.is_dir():  # leftovers of a save that was killed: never counted
+            if self.dir.is_dir():  # leftovers of a save (or a removal) that was killed: never counted
                 for p in self.dir.glob(".*.tmp*"):
-                    p.unlink(missing_ok=True)
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         candidates, error = self._agreed_candidates()
         if error is not None:
             raise ConfigError(error)
         for path in candidates:
             t = time.perf_counter()
-            try:
-                state, problem = read_checkpoint(path), None
-            except ValueError as e:
-                state, problem = None, str(e)
             # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
-            unreadable = self._ranks_failing(problem is not None, parts.device)
-            if unreadable:
-                why = problem or f"cannot be read by rank(s) {', '.join(map(str, unreadable))}"
-                self.log.warning(f"checkpoint {path} {why}; all ranks trying the previous one")
+            if problem := self._agreed_problem(self._check(path)):
+                self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
                 continue
-            self._load(parts, state, path, time.perf_counter() - t)
+            trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+            metadata = Reader(path).read_metadata()
+            if (mismatch := _model_mismatch(_model_shapes_of(parts), _model_shapes(metadata))) is not None:
+                raise ConfigError(f"checkpoint {path} does not match the model of this run"
+                                  f"{_task_diff(self.cfg, trainer)}: {mismatch}")
+            if problem := self._agreed_problem(self._load_tensors(parts, path, trainer)):
+                self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
+                continue
+            self._load(parts, trainer, path, time.perf_counter() - t)
             self.resumed_from = path
             if self.rank == 0:
                 self._set_aside_after(parts.step)
@@ -519,6 +644,31 @@ class Checkpointer:
             raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
         return False
 
+    def _check(self, path: Path) -> str | None:
+        """What is wrong with a checkpoint, from this rank's share of its files (None: nothing)."""
+        try:
+            verify(path, self.rank, self.world_size)
+            torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+            Reader(path).read_metadata()
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # a file that passes its CRC but does not load is corrupt all the same
+            return f"does not load ({_why(e)})"
+        return None
+
+    def _load_tensors(self, parts, path: Path, trainer: dict) -> str | None:
+        """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
+        size or the sharding changed); what went wrong, or None."""
+        tensors, _ = _tensor_state(parts)  # the shapes to read into
+        try:
+            dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
+            state = _merge(tensors, trainer["rest"])
+            set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        except (Exception, CheckpointException) as e:
+            return f"does not load ({_why(e)})"
+        return None
+
     def _set_aside_after(self, step: int) -> None:
         """Move this run's checkpoints after `step` (abandoned by a resume from it: a rollback, or a fall back
         past corrupt newer ones) to abandoned/<time>-resumed-at-step-<step>/, so that they are kept but no
@@ -526,8 +676,7 @@ class Checkpointer:
         and `latest` could name one of them."""
         if not self.dir.is_dir():
             return
-        after = sorted(p for p in self.dir.iterdir() if (m := re.match(r"^step_(\d{8})\.(pt|json)$", p.name))
-                       and int(m.group(1)) > step)
+        after = sorted(p for p in self.dir.iterdir() if (m := NAME.match(p.name)) and int(m.group(1)) > step)
         if not after:
             return
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-resumed-at-step-{step}"
@@ -538,7 +687,7 @@ class Checkpointer:
                 break
             except FileExistsError:
                 continue
-        for p in sorted(after, key=lambda p: p.suffix != ".json"):  # each .json first: then its .pt never counts
+        for p in after:  # a folder's rename is atomic: it counts where it was, or not at all
             os.replace(p, folder / p.name)
         latest = self.dir / "latest"
         if latest.exists() and latest.read_text().strip() in {p.name for p in after}:
@@ -548,7 +697,7 @@ class Checkpointer:
                 latest.unlink()
         _fsync_dir(folder)
         _fsync_dir(self.dir)
-        names = ", ".join(p.name for p in after if p.suffix == ".pt") or ", ".join(p.name for p in after)
+        names = ", ".join(p.name for p in after)
         self.log.info(f"resumed at step {step}: this run's later checkpoints ({names}) are set aside in {folder}, "
                       f"kept but no longer counted (retention, `latest`, resume=auto)")
 
@@ -565,23 +714,19 @@ class Checkpointer:
             dist.broadcast_object_list(found, src=0)
         return [Path(p) for p in found[0] or []], found[1]
 
-    def _ranks_failing(self, failed: bool, device: torch.device) -> list[int]:
-        """The ranks for which `failed` is true (every rank calls this)."""
-        flags = torch.zeros(self.world_size, device=device)
-        flags[self.rank] = float(failed)
+    def _agreed_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem with a checkpoint, the same on every rank (None: no rank has one)."""
+        problems = [problem]
         if self.world_size > 1:
-            dist.all_reduce(flags)
-        return [r for r, f in enumerate(flags.tolist()) if f]
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+        for rank, p in enumerate(problems):
+            if p is not None:
+                return p + (f" (rank {rank})" if self.world_size > 1 else "")
+        return None
 
     def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
-        if (problem := _model_mismatch(parts.raw.state_dict(), state["model"])) is not None:
-            raise ConfigError(f"checkpoint {path} does not match the model of this run{_task_diff(self.cfg, state)}: "
-                              f"{problem}")
-        was = state.get("config", {}).get("dist", {}).get("strategy", "ddp")
-        if was != self.cfg.dist.strategy:  # the optimizer's state is keyed by parameter names under FSDP
-            raise ConfigError(f"checkpoint {path} was trained with dist.strategy={was}: resume it with the same "
-                              f"strategy (this run has dist.strategy={self.cfg.dist.strategy})")
-        load_model_state(parts, state["model"], state["optimizer"])
+        """The trainer's state (trainer.pt), after the tensors."""
         if parts.scaler.is_enabled() and not state["scaler"]:
             was = state.get("config", {}).get("train", {}).get("precision", "fp32/bf16")
             self.log.warning(f"checkpoint {path} was trained in {was} (no loss scaler): train.precision=fp16 "
@@ -604,3 +749,75 @@ class Checkpointer:
                              f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
         self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
                       f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")
+
+
+def _model_shapes_of(parts) -> dict:
+    return {k: tuple(v.shape) for k, v in get_model_state_dict(parts.raw).items()}
+
+
+# ---------------------------------------------------------------- checkpoints of format 1
+
+def _read_old(path: Path) -> dict:
+    """A checkpoint of format 1 (one step_XXXXXXXX.pt and its .json), its CRC checked, loaded weights_only."""
+    meta = json.loads(path.with_suffix(".json").read_text())
+    if _file_crc(path) != {"bytes": meta.get("bytes"), "crc32": meta.get("crc32")}:
+        raise ValueError(f"{path} fails its checksum")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def convert(directory: Path) -> list[Path]:
+    """Write each format-1 checkpoint of a folder (up to the one `latest` names) as a checkpoint folder of
+    this format, in this one process; the .pt and .json files stay."""
+    from train import config, optim
+
+    latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "~"
+    done = []
+    for old in reversed([p for p in _old_checkpoints(directory) if p.name <= latest]):  # `latest` ends at the newest
+        state = _read_old(old)
+        cfg = config.from_dict(state["config"])
+        model = cfg.task_class(cfg.task, cfg.seed).model()
+        model.load_state_dict(state["model"])
+        optimizer = optim.build(cfg.optim, model)
+        optimizer.load_state_dict(state["optimizer"])
+        tensors, rest = _split(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True)))
+        tmp = directory / f".{old.stem}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+        trainer = {k: v for k, v in state.items() if k not in ("model", "optimizer")} | {"format": FORMAT,
+                                                                                          "rest": rest}
+        _write_atomic(tmp / TRAINER, lambda f, t=trainer: torch.save(t, f))
+        extra = {"world_size": state["world_size"], "converted_from": old.name}
+        done.append(_publish(directory, tmp, int(state["step"]), _own_files(tmp, 0), extra))
+    return done
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage block + error line -> one line
+        print(f"error: {message} (see python -m train.checkpoint --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m train.checkpoint", description="Convert the checkpoints of an earlier version "
+                "of this project (step_XXXXXXXX.pt and .json) into checkpoint folders that this one resumes from.")
+    p.add_argument("--convert", metavar="RUN_DIR", required=True, help="a run directory (or its checkpoints/ folder)")
+    run_dir = Path(p.parse_args(argv).convert)
+    directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    if not _old_checkpoints(directory):
+        print(f"error: {run_dir} holds no checkpoint of an earlier version (step_XXXXXXXX.pt and its .json)",
+              file=sys.stderr)
+        return 2
+    try:
+        done = convert(directory)
+    except (ValueError, OSError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {len(done)} checkpoint(s) in {directory}: {', '.join(p.name for p in done)} (`latest` names "
+          f"{done[-1].name if done else 'none'}); the .pt and .json files they came from can be deleted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

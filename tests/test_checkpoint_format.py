@@ -1,0 +1,192 @@
+"""The checkpoint folders (torch.distributed.checkpoint): every rank's share survives a kill and a flipped byte,
+a resume reshards onto another world size, the weights export to one plain file, and a checkpoint of an
+earlier version is refused in one line until converted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import torch
+
+from tests.conftest import (
+    PY,
+    ROOT,
+    TINY,
+    clean_env,
+    copy_run,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_cmd,
+    train_losses,
+)
+from tests.procs import children, environ
+from train import checkpoint, config, optim
+
+
+def _rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
+    for pid in children(proc.pid):  # torchrun's workers
+        if environ(pid).get("RANK") == str(rank):
+            return pid
+    return None
+
+
+def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint(tmp_path):
+    """Rank 1 is killed while a checkpoint folder is being written (rank 1's share in it or not yet): the
+    dead save never counts, `latest` names the one before, and the relaunch resumes from it."""
+    ckpts = tmp_path / "checkpoints"
+    args = ["checkpoint.every=1", "checkpoint.keep=2", "train.steps=200"]
+    for _attempt in range(5):
+        proc = subprocess.Popen(train_cmd(tmp_path, *args, nproc=2), cwd=ROOT, env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline, killed = time.time() + 120, None
+        while time.time() < deadline and proc.poll() is None and killed is None:
+            saving = list(ckpts.glob(".step_*.tmp")) if ckpts.is_dir() else []
+            if (ckpts / "latest").exists() and saving and (pid := _rank_pid(proc, 1)):
+                killed = saving[0]
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+        proc.communicate(timeout=60)  # torchrun ends the group once a worker died
+        if killed is not None and killed.exists() and not (killed / checkpoint.MANIFEST).exists():
+            break  # the kill landed mid-save (the folder may have been renamed between the look and the kill)
+    assert proc.returncode != 0
+    assert killed is not None and killed.exists(), "the kill never landed during a save"
+    name = (ckpts / "latest").read_text().strip()
+    assert int(name[5:]) < int(killed.name[6:14]), (name, killed.name)  # `latest` names the save before
+    step = latest_state(tmp_path)["step"]  # checks every file's CRC, loads with weights_only
+    resumed = run_train(tmp_path, "checkpoint.every=0", f"train.steps={step + 1}", nproc=2)
+    assert f"resumed from {ckpts / name} at step {step}" in resumed.stdout, resumed.stdout
+    assert not list(ckpts.glob(".*.tmp*"))  # the dead save's leftovers are gone
+    assert summary(tmp_path)["steps"] == step + 1
+
+
+def test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank(tmp_path, finished_two_ranks):
+    copy_run(finished_two_ranks, tmp_path)  # checkpoints at steps 2, 4 and 6, written by 2 ranks
+    ckpts = tmp_path / "checkpoints"
+    shard = ckpts / "step_00000006" / "__1_0.distcp"  # rank 1's share of the tensors
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8", nproc=2)
+    for rank in (0, 1):  # every rank says it once, the same, and resumed from the same, previous checkpoint
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        warnings = [line for line in log.splitlines() if "step_00000006" in line and "WARNING" in line]
+        assert len(warnings) == 1, log[-3000:]
+        assert "fails its checksum (__1_0.distcp: CRC-32 differs)" in warnings[0], warnings
+        assert "all ranks trying the previous one" in warnings[0], warnings
+        assert f"resumed from {ckpts / 'step_00000004'} at step 4" in log, log[-3000:]
+    assert f"resumed from {ckpts / 'step_00000004'} at step 4" in proc.stdout  # what the console shows
+    s = summary(tmp_path)
+    assert s["steps"] == 8 and s["ranks_in_sync"], s
+
+
+def test_world_size_2_then_1_then_3_continues_from_the_samples_seen(tmp_path):
+    """48 samples a step: 2 ranks x 3 micro-steps, 1 x 6, 3 x 2. Each resume reads the tensors saved by
+    another number of ranks (DCP reshards on load) and continues after the samples seen."""
+    args = ["train.global_batch_size=48", "train.micro_batch_size=8"]
+    run_train(tmp_path, *args, "train.steps=3", nproc=2)  # 144 samples
+    proc = run_train(tmp_path, *args, "train.steps=5")  # 240
+    assert "world size changed from 2 to 1" in proc.stdout + proc.stderr
+    assert "at step 3 (epoch 0, 144 samples into it)" in proc.stdout, proc.stdout
+    # 3 ranks x 8 a micro-batch read 240 of an epoch (the tail of 16 < one per rank is dropped): step 5 ends
+    # epoch 0, step 7 is 96 samples into epoch 1
+    proc = run_train(tmp_path, *args, "train.steps=7", nproc=3)
+    assert "world size changed from 1 to 3" in proc.stdout + proc.stderr
+    assert "at step 5 (epoch 0, 240 samples into it)" in proc.stdout, proc.stdout
+    state = latest_state(tmp_path)
+    assert state["step"] == 7 and state["world_size"] == 3 and len(state["rng"]) == 3
+    assert (state["data"]["epoch"], state["data"]["samples_in_epoch"]) == (1, 96), state["data"]
+    assert sorted(train_losses(tmp_path)) == list(range(1, 8))
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert summary(tmp_path)["ranks_in_sync"]
+
+
+def test_the_export_loads_in_a_bare_interpreter(tmp_path, finished_two_ranks):
+    """python -m train.export writes the model of a checkpoint (saved by 2 ranks) as one plain state dict:
+    a fresh, isolated interpreter (python -I, outside the project) loads it with weights_only into a plain
+    torchvision resnet18 with the CIFAR stem (16-px images); `train` is never imported."""
+    out = tmp_path / "weights.pt"
+    proc = subprocess.run([PY, "-m", "train.export", str(finished_two_ranks), "--step", "4", "--out", str(out)],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"wrote {out}" in proc.stdout, proc.stderr
+    script = f"""
+import json, sys
+import torch, torchvision
+state = torch.load({str(out)!r}, weights_only=True)
+net = torchvision.models.resnet18(num_classes=10)
+net.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+net.maxpool = torch.nn.Identity()
+net.load_state_dict(state)  # strict: every key, every shape
+net.eval()
+with torch.no_grad():
+    logits = net(torch.zeros(2, 3, 16, 16))
+print(json.dumps({{"train": sorted(m for m in sys.modules if m.split(".")[0] == "train"),
+                  "logits": list(logits.shape), "sum": float(sum(v.double().sum() for v in state.values()))}}))
+"""
+    proc = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["train"] == [] and got["logits"] == [2, 10], got
+    saved = checkpoint.read_state(finished_two_ranks / "checkpoints" / "step_00000004")["model"]
+    assert got["sum"] == float(sum(v.double().sum() for v in saved.values()))  # step 4's weights
+    for bad, says in [(tmp_path / "nowhere", "is not a folder"), (tmp_path, "holds no complete checkpoint")]:
+        proc = subprocess.run([PY, "-m", "train.export", str(bad)], cwd=ROOT, env=clean_env(), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    proc = subprocess.run([PY, "-m", "train.export", str(finished_two_ranks), "--step", "3"], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == (f"error: {finished_two_ranks} holds no complete checkpoint of "
+                                                    f"step 3 (it has steps 2, 4, 6)\n"), proc.stderr
+
+
+def _old_checkpoint(run_dir, step: int) -> dict:
+    """A checkpoint as the earlier version wrote it (format 1): one torch.save'd dict, its .json (size,
+    CRC-32), `latest` naming it; the model and optimizer after one step (momentum buffers exist)."""
+    cfg = config.load("configs/default.yaml", [*TINY, f"run.dir={run_dir}"])
+    torch.manual_seed(0)
+    model = cfg.task_class(cfg.task, cfg.seed).model()
+    opt = optim.build(cfg.optim, model)
+    model(torch.randn(8, 3, 16, 16)).sum().backward()
+    opt.step()
+    state = {"format": 1, "model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {}, "step": step,
+             "data": {"epoch": 0, "samples_in_epoch": step * 16, "world_size": 1, "seed": 0},
+             "rng": [checkpoint._rng_state(torch.device("cpu"))], "window": [{"loss": 0.0, "steps": 0}],
+             "eval_pending": False, "world_size": 1, "config": config.to_dict(cfg), "tracker": {"run_id": None}}
+    folder = run_dir / "checkpoints"
+    folder.mkdir(parents=True)
+    path = folder / f"step_{step:08d}.pt"
+    torch.save(state, path)
+    raw = path.read_bytes()
+    path.with_suffix(".json").write_text(json.dumps({"crc32": zlib.crc32(raw), "bytes": len(raw), "step": step,
+                                                     "file": path.name}))
+    (folder / "latest").write_text(f"{path.name}\n")
+    return state
+
+
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted(tmp_path):
+    old = _old_checkpoint(tmp_path, 2)
+    proc = run_train(tmp_path, "train.steps=4", expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'checkpoints' / 'step_00000002.pt'} is a checkpoint of an earlier version of this "
+        f"project (one .pt file): convert it with `python -m train.checkpoint --convert {tmp_path / 'checkpoints'}`, "
+        f"then resume"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
+    proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(tmp_path)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "converted 1 checkpoint(s)" in proc.stdout, proc.stderr
+    new = latest_state(tmp_path)  # the converted folder: the same tensors, by parameter name
+    assert all(torch.equal(v, new["model"][k]) for k, v in old["model"].items())
+    first = new["optimizer"]["param_groups"][0]["params"][0]
+    assert torch.equal(old["optimizer"]["state"][0]["momentum_buffer"],
+                       new["optimizer"]["state"][first]["momentum_buffer"]), first
+    proc = run_train(tmp_path, "train.steps=4")
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout, proc.stdout
+    assert [m["step"] for m in metrics(tmp_path) if "loss" in m] == [3, 4]
