@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -163,12 +162,35 @@ def test_bad_combinations_are_one_line_exit_2(tmp_path, lm_runs):
 
     with pytest.raises(ConfigError, match="task examples/regression.py:Regression names no blocks to recompute"):
         config.load("examples/regression.yaml", ["train.activation_checkpointing=true"])
-    # A DDP run's checkpoint resumed under FSDP (its optimizer state is keyed otherwise): the launcher's one line.
-    run = tmp_path / "ddp"
-    shutil.copytree(lm_runs("ddp")[0], run, symlinks=True)
-    proc = run_lm(run, "dist.strategy=fsdp", expect=2, launcher=True)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "was trained with dist.strategy=ddp: resume it with the same strategy" in errors[0]
+
+
+def test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back(tmp_path, lm_runs):
+    """Stopped under DDP, resumed under FSDP, stopped again and finished under DDP: the checkpoints (DCP, keyed
+    by parameter names under either strategy) carry the model, the optimizer and the data position across, so
+    the losses are those of the uninterrupted DDP run, within FSDP's own tolerance (the clipping norm's order
+    of summation, test_fsdp_trains_as_ddp_with_accumulation_and_clipping), and no sample is seen twice."""
+    ref, run = lm_runs("ddp")[0], tmp_path / "run"
+    stops = []
+    for strategy, until in (("ddp", 5), ("fsdp", 12)):
+        proc = subprocess.Popen(lm_cmd(run, f"dist.strategy={strategy}", launcher=True), cwd=ROOT, env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_for(lambda p=proc, u=until: p.poll() is not None or any(st >= u for st in logged_steps(run)), 180,
+                 f"step {until}")
+        proc.send_signal(signal.SIGTERM)
+        rc, _, err = finish(proc)
+        assert rc == 75, err[-3000:]
+        stops.append(latest_state(run)["step"])
+    assert 5 <= stops[0] < stops[1] < 20, stops
+    run_lm(run, "dist.strategy=ddp", launcher=True)
+    steps = [m["step"] for m in metrics(run) if "loss" in m]
+    assert steps == list(range(1, 21)), steps  # every step once: none repeated, none skipped
+    a, b = losses(ref), losses(run)
+    worst = max(abs(a[s] - b[s]) / a[s] for s in a)
+    assert worst < 5e-7, f"the losses differ from the uninterrupted DDP run's by {worst:.2e} (relative)"
+    assert all(a[s] == b[s] for s in range(1, stops[0] + 1))  # DDP's own steps before the first stop: bitwise
+    assert abs(summary(ref)["eval_loss"] - summary(run)["eval_loss"]) / summary(ref)["eval_loss"] < 5e-7
+    log = (run / "logs").glob("*")
+    assert not any("world size changed" in f.read_text(errors="replace") for f in log if f.is_file())
 
 
 def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
