@@ -41,6 +41,25 @@ from train.tasks.image import ImageClassification  # noqa: E402
 A100_RESNET50_AMP = 2470.0  # images/s, NVIDIA DeepLearningExamples, 1x A100 80GB, AMP
 
 
+def seconds_per_step(loss, opt: torch.optim.Optimizer, steps: int, device: torch.device, warmup: int) -> float:
+    """The mean time of a training step (loss(), backward, optimizer) after warm-up steps (and compilation)."""
+    def step():
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(max(warmup, steps // 5)):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
 def images_per_s(name: str, size: int, batch: int, precision: str, compile_: bool, steps: int,
                  device: torch.device, warmup: int = 3) -> float:
     cfg = ImageClassification.Config(model=name, image_size=size, num_classes=1000 if size > 64 else 10)
@@ -51,23 +70,11 @@ def images_per_s(name: str, size: int, batch: int, precision: str, compile_: boo
     y = torch.randint(0, 10, (batch,), device=device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
-    def step():
+    def loss():
         with torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32"):
-            loss = F.cross_entropy(step_model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return F.cross_entropy(step_model(x), y)
 
-    for _ in range(max(warmup, steps // 5)):  # warm-up (and compilation)
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return batch * steps / (time.perf_counter() - t)
+    return batch / seconds_per_step(loss, opt, steps, device, warmup)
 
 
 def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device: torch.device,
@@ -82,23 +89,11 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
     x = torch.randint(0, vocab, (batch, seq + 1), device=device)
     batch_ = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
 
-    def step():
+    def loss():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = task.loss(step_model, batch_)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return task.loss(step_model, batch_)
 
-    for _ in range(max(warmup, steps // 5)):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    windows_per_s = batch * steps / (time.perf_counter() - t)
+    windows_per_s = batch / seconds_per_step(loss, opt, steps, device, warmup)
     peak = peak_flops(torch.cuda.get_device_name(device), "bf16", True) if device.type == "cuda" else None
     mfu = windows_per_s * task.flops_per_sample(net) / peak if peak else None
     return windows_per_s * seq, mfu
