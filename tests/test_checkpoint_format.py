@@ -12,6 +12,7 @@ import sys
 import time
 import zlib
 
+import pytest
 import torch
 
 from tests.conftest import (
@@ -190,3 +191,36 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_convert
     proc = run_train(tmp_path, "train.steps=4")
     assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout, proc.stdout
     assert [m["step"] for m in metrics(tmp_path) if "loss" in m] == [3, 4]
+
+
+def test_metadata_written_by_python_3_11_2_loads_and_its_getattr_reaches_enum_members_only(tmp_path):
+    """Python 3.11.0-3.11.4 (Debian 12's, the image's) pickle an enum member as getattr(Enum, "NAME"): a
+    checkpoint written in the image must load outside it. That getattr reaches members of the allowed enums,
+    never an attribute of anything else (getattr(class, "__init__") would lead to code)."""
+    import enum
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from train.checkpoint import Reader, _MetadataUnpickler
+
+    class Py3112Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    metadata = Reader(tmp_path).read_metadata()
+    buf = io.BytesIO()
+    Py3112Pickler(buf).dump(metadata)
+    assert b"getattr" in buf.getvalue()  # the form the image writes
+    (tmp_path / ".metadata").write_bytes(buf.getvalue())
+    assert Reader(tmp_path).read_metadata().state_dict_metadata.keys() == {"w"}
+    into = {"w": torch.zeros(2, 3)}
+    dcp.load(into, storage_reader=Reader(tmp_path), no_dist=True)
+    assert torch.equal(into["w"], torch.arange(6.0).reshape(2, 3))
+    evil = io.BytesIO()
+    pickle.Pickler(evil).dump(type("Evil", (), {"__reduce__": lambda self: (getattr, (Metadata, "__init__"))})())
+    with pytest.raises(pickle.UnpicklingError, match="no member of DCP's metadata enums"):
+        _MetadataUnpickler(io.BytesIO(evil.getvalue())).load()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import enum
 import json
 import mmap
 import os
@@ -167,9 +168,19 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):  # Python 3.11.0-3.11.4 pickle an enum member by name
+            return _enum_member
         if name in self.ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is none of DCP's metadata classes")
+
+
+def _enum_member(cls, name: str):
+    """getattr as .metadata may use it: a member of one of the allowed enums, nothing else."""
+    if isinstance(cls, enum.EnumMeta) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f".metadata asks for {getattr(cls, '__name__', cls)!r}.{name}, which is no member "
+                                 "of DCP's metadata enums")
 
 
 class Reader(dcp.FileSystemReader):
