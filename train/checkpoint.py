@@ -22,7 +22,6 @@ one plain file of a checkpoint's weights.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import enum
 import json
@@ -48,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from train.config import Config, ConfigError, to_dict
+from train.config import Config, ConfigError, OneLineParser, UsageError, to_dict
 from train.distributed import launch_id, sync_buffers
 
 FORMAT = 2
@@ -804,17 +803,15 @@ def convert(directory: Path) -> list[Path]:
     return done
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage block + error line -> one line
-        print(f"error: {message} (see python -m train.checkpoint --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m train.checkpoint", description="Convert the checkpoints of an earlier version "
+    p = OneLineParser(prog="python -m train.checkpoint", description="Convert the checkpoints of an earlier version "
                 "of this project (step_XXXXXXXX.pt and .json) into checkpoint folders that this one resumes from.")
     p.add_argument("--convert", metavar="RUN_DIR", required=True, help="a run directory (or its checkpoints/ folder)")
-    run_dir = Path(p.parse_args(argv).convert)
+    try:
+        run_dir = Path(p.parse_args(argv).convert)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     if not _old_checkpoints(directory):
         print(f"error: {run_dir} holds no checkpoint of an earlier version (step_XXXXXXXX.pt and its .json)",

@@ -7,6 +7,7 @@ message and exit code 2 before anything is written.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import typing
@@ -19,6 +20,15 @@ import yaml
 
 class ConfigError(ValueError):
     """A usage error in the configuration: reported in one line, exit code 2."""
+
+
+class UsageError(Exception):
+    """A usage error of a command-line tool (python -m train.prepare, .export, .checkpoint): one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage block + error line -> one line
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 @dataclass

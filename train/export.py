@@ -16,19 +16,11 @@ from pathlib import Path
 import torch
 
 from train.checkpoint import _convert_hint, _old_checkpoints, _write_atomic, complete_checkpoints, read_state
-
-
-class UsageError(Exception):
-    pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage block + error line -> one line
-        raise UsageError(f"{message} (see python -m train.export --help)")
+from train.config import OneLineParser, UsageError
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="python -m train.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p = OneLineParser(prog="python -m train.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoints/ folder)")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--out", metavar="FILE", help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt)")

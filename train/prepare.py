@@ -26,20 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from train.config import OneLineParser, UsageError
+
 VOCAB = {"bytes": 256, "gpt2": 50257}
 
 
-class UsageError(Exception):
-    pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage block + error line -> one line
-        raise UsageError(f"{message} (see python -m train.prepare --help)")
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="python -m train.prepare", description="Text files -> llm.c/nanoGPT token shards.")
+    p = OneLineParser(prog="python -m train.prepare", description="Text files -> llm.c/nanoGPT token shards.")
     p.add_argument("input", help="a text file, or a folder of .txt files")
     p.add_argument("outdir", help="the folder to write the shards into (created; must hold no .bin yet)")
     p.add_argument("--tokenizer", choices=("bytes", "gpt2"), default="bytes",
