@@ -17,7 +17,9 @@ rank 0's, from a barrier before it to its return (every rank has written by then
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,6 +89,7 @@ def main() -> None:
     root = Path(root[0])
     root.mkdir(parents=True, exist_ok=True)
     cfg, parts = make_parts(args.model)
+    gc.freeze()  # as train/trainer.py does once the parts are built
     x = torch.randn(4, 3, 64, 64)
 
     def train_step():
@@ -121,6 +124,10 @@ def main() -> None:
         parts.raw.load_state_dict(loaded["model"])
         parts.optimizer.load_state_dict(loaded["optimizer"])
 
+    def resume(ckpt):  # the figure is only worth something if the checkpoint did load
+        if not ckpt.resume(parts) or ckpt.resumed_from is None or parts.step != i + 1:
+            raise SystemExit(f"bench: the resume did not load step {i + 1}")
+
     def still_writing() -> bool:  # every rank steps as long as any rank's write runs: DDP steps together
         flag = torch.tensor([float(asyn._pending is not None and asyn._pending.is_alive())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -137,7 +144,7 @@ def main() -> None:
         for name, fn in saves[k:] + saves[:k]:  # each contender first in turn
             os.sync()  # no contender pays for another's dirty pages
             t[name].append(timed(fn))
-        loads = [("load_mmap", on_rank_0(load_mmap)), ("load_ours", lambda: sync.resume(parts))]
+        loads = [("load_mmap", on_rank_0(load_mmap)), ("load_ours", lambda: resume(sync))]
         for name, fn in loads if i % 2 == 0 else loads[::-1]:
             t[name].append(timed(fn))
         parts.step = i + 1
@@ -185,6 +192,9 @@ def main() -> None:
                                "async_blocking_ratio": med(t["block_async"]) / med(t["block_sync"]),
                                "step_slowdown_during_async_save": (med(step_during) / med(step_alone)
                                                                    if step_during else None)})
+    dist.barrier()
+    if rank == 0 and not args.dir:
+        shutil.rmtree(root)  # a few checkpoints of this size per run: never left behind in /tmp
     dist.destroy_process_group()
 
 

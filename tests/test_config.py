@@ -60,6 +60,7 @@ def test_config_round_trips_through_dict():
     (["task.model=resnet19"], "did you mean 'resnet18'"),
     (["train.global_batch_size=48", "train.micro_batch_size=32"], "must be a multiple of train.micro_batch_size"),
     (["checkpoint.keep=1"], "checkpoint.keep must be >= 2"),
+    (["checkpoint.threads=0"], "checkpoint.threads must be >= 1"),
     (["task.data=cifar10"], "task.path is required"),
     (["train.steps"], "is not of the form key.sub=value"),
 ])

@@ -2,8 +2,9 @@
 
 Layout, in <run_dir>/checkpoints/:
     step_00000100/           one checkpoint: a torch.distributed.checkpoint (DCP) folder
-        __0_0.distcp, ...    the model's and optimizer's tensors, one file per rank: every rank writes (DCP
-                             spreads DDP's replicated tensors over the ranks; FSDP's shards are each rank's own)
+        __0_0.distcp, ...    the model's and optimizer's tensors, __<rank>_<n>.distcp: every rank writes (DCP
+                             spreads DDP's replicated tensors over the ranks; FSDP's shards are each rank's own),
+                             up to checkpoint.threads files at once
         .metadata            DCP's index of the tensors (rank 0)
         trainer.pt           the rest (rank 0): step, data position, each rank's RNG states and loss window,
                              the loss scaler, the optimizer's hyper-parameters, the config (weights_only)
@@ -22,6 +23,7 @@ one plain file of a checkpoint's weights.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import enum
 import json
@@ -44,7 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from train.config import Config, ConfigError, OneLineParser, UsageError, to_dict
@@ -101,13 +105,31 @@ def _file_crc(path: Path) -> dict:
             return {"bytes": size, "crc32": zlib.crc32(m)}
 
 
+def _file_crcs(paths: list[Path]) -> list[dict | OSError]:
+    """_file_crc of several files at once, or the error reading each (zlib releases the GIL: a rank's
+    files are checked side by side)."""
+    def one(path: Path) -> dict | OSError:
+        try:
+            return _file_crc(path)
+        except OSError as e:
+            return e
+    if len(paths) < 2:
+        return [one(p) for p in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), 8)) as pool:
+        return list(pool.map(one, paths))
+
+
 def _own_files(folder: Path, rank: int) -> dict[str, dict]:
     """Size and CRC-32 of the files this rank wrote into a checkpoint folder (rank 0: also DCP's .metadata
     and trainer.pt)."""
     names = [p.name for p in folder.iterdir() if re.fullmatch(rf"__{rank}_\d+\.distcp", p.name)]
     if rank == 0:
         names += [".metadata", TRAINER]
-    return {n: _file_crc(folder / n) for n in sorted(names)}
+    names.sort()
+    crcs = _file_crcs([folder / n for n in names])
+    if errors := [e for e in crcs if isinstance(e, OSError)]:
+        raise errors[0]
+    return dict(zip(names, crcs, strict=True))
 
 
 def _publish(directory: Path, tmp: Path, step: int, files: dict, extra: dict) -> Path:
@@ -139,11 +161,10 @@ def verify(path: Path, share: int = 0, shares: int = 1) -> dict:
         raise ValueError(f"incomplete (no {MANIFEST}: the save did not finish)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"unreadable ({MANIFEST}: {e})") from None
-    for name, want in files[share::shares]:
-        try:
-            got = _file_crc(path / name)
-        except OSError as e:
-            raise ValueError(f"unreadable ({name}: {e.strerror})") from None
+    mine = files[share::shares]
+    for (name, want), got in zip(mine, _file_crcs([path / name for name, _ in mine]), strict=True):
+        if isinstance(got, OSError):
+            raise ValueError(f"unreadable ({name}: {got.strerror})") from None
         if got["bytes"] != want.get("bytes"):
             raise ValueError(f"fails its checksum ({name}: {got['bytes']} bytes, expected {want.get('bytes')})")
         if got["crc32"] != want.get("crc32"):
@@ -255,6 +276,16 @@ def _split(tree: dict) -> tuple[dict, dict]:
     return tensors, rest
 
 
+def _nbytes(tree: dict) -> int:
+    return sum(_nbytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values())
+
+
+def _write_threads(tensors: dict, most: int, world_size: int) -> int:
+    """How many files each rank writes at once: checkpoint.threads, but none for less than 16 MiB of this
+    rank's share (a small model's save stays one file per rank, its fsyncs few)."""
+    return max(1, min(most, _nbytes(tensors) // world_size // (16 << 20)))
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -335,6 +366,12 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _planner() -> DefaultSavePlanner:
+    """DCP's planner, with its plans cached: the same model saves the same items from the same ranks, so
+    after the first save the ranks exchange empty plans instead of ~500 items each (bench/checkpoint.py)."""
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
 def _tensor_state(parts) -> tuple[dict, dict]:
     """The model's and optimizer's state as DCP takes it (torch.distributed.checkpoint.state_dict: parameter
     names for keys, DTensors where the model is sharded): its tensors, and the rest (hyper-parameters)."""
@@ -389,6 +426,21 @@ def check_fresh_start(cfg: Config) -> None:
 
 # ---------------------------------------------------------------- the manager
 
+def _background() -> None:
+    """The calling thread, and every thread it starts from now on, at the lowest CPU priority (Linux: nice
+    19 per thread): an asynchronous save writes with the CPU time that training leaves."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class _BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's writer for checkpoint.async: runs in DCP's thread, which starts the threads that write."""
+
+    def write_data(self, plan, planner):
+        _background()
+        return super().write_data(plan, planner)
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, rank: int, world_size: int, log):
         self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
@@ -405,6 +457,7 @@ class Checkpointer:
         # asynchronous save's never interleave with training's (gloo: DCP's are on host memory).
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
         self._error: BaseException | None = None
+        self._stager: DefaultStager | None = None  # checkpoint.async's host copy, made the first time
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
     # ---- stop requests
@@ -489,20 +542,38 @@ class Checkpointer:
             "tracker": {"run_id": self.tracker_id},
         } if self.rank == 0 else None
         tmp = self.dir / f".step_{parts.step:08d}.tmp"
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        if self.cfg.checkpoint.async_ and not blocking:
+        threads = _write_threads(tensors, self.cfg.checkpoint.threads, self.world_size)
+        background = self.cfg.checkpoint.async_ and not blocking
+        writer = (_BackgroundWriter if background else dcp.FileSystemWriter)(tmp, sync_files=True, thread_count=threads)
+        if background:
             try:
-                upload = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
+                upload = dcp.async_save(tensors, storage_writer=writer, planner=_planner(),
+                                        async_stager=self._host_copy(parts.device), process_group=self._group,
                                         async_checkpointer_type=ASYNC_TYPE)
             except Exception as e:
                 raise RuntimeError(f"checkpoint save failed: {e}") from e
-            self._pending = threading.Thread(target=self._write, args=(upload.result, tmp, parts.step, trainer),
-                                             daemon=True)
+            def write_in_background():
+                _background()
+                self._write(upload.result, tmp, parts.step, trainer)
+            self._pending = threading.Thread(target=write_in_background, daemon=True)
             self._pending.start()
         else:
-            upload = lambda: dcp.save(tensors, storage_writer=writer, process_group=self._group)  # noqa: E731
+            upload = lambda: dcp.save(tensors, storage_writer=writer, planner=_planner(),  # noqa: E731
+                                      process_group=self._group)
             self._write(upload, tmp, parts.step, trainer)
             self._raise_pending_error()
+
+    def _host_copy(self, device: torch.device) -> DefaultStager:
+        """What an asynchronous save copies the tensors into before training goes on: host memory allocated
+        at the first save and reused by every later one (pinned on a GPU; shared with DCP's process when
+        it writes from one), at the cost of one more copy of this rank's state in host memory. A fresh
+        allocation each save cost more than the copy itself (bench/checkpoint.py)."""
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=device.type == "cuda",
+                use_shared_memory=ASYNC_TYPE == dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
+                use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def save_and_stop(self, parts) -> int:
         """The last save of a stopped run, then the STOPPED marker for the launcher; no rank exits before

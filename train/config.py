@@ -95,6 +95,7 @@ class CheckpointConfig:
     keep: int = 2  # keep the last N checkpoints (at least 2)
     keep_every: int = 0  # also keep every K-th step for good (0: none)
     async_: bool = False  # YAML/CLI key: checkpoint.async; write in the background after a host copy
+    threads: int = 8  # files each rank writes at once (DCP's thread_count), one per 16 MiB at most
     signal: Literal["SIGTERM", "SIGUSR1", "SIGUSR2"] = "SIGTERM"  # save and exit 75 ("requeue me") on it
 
 
@@ -374,6 +375,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     _require(c.keep >= 2, f"checkpoint.keep must be >= 2, got {c.keep}")
     _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
+    _require(c.threads >= 1, f"checkpoint.threads must be >= 1, got {c.threads}")
     _require(bool(cfg.run.name) and "/" not in cfg.run.name,
              f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
     _validate_observability(cfg)

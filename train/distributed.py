@@ -269,8 +269,14 @@ def exit_process(code: int) -> None:
 def sync_buffers(module: torch.nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm statistics), as DDP does at the start of a forward."""
     if dist.get_world_size() > 1:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in module.buffers():
-            dist.broadcast(b, src=0)
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for buffers in by_dtype.values():  # one broadcast per dtype, not one per buffer (ResNet-50: 2 vs 159)
+            flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+            dist.broadcast(flat, src=0)
+            for b, v in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+                b.detach().copy_(v.view_as(b))
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
