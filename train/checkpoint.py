@@ -24,6 +24,7 @@ one plain file of a checkpoint's weights.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import enum
 import json
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
@@ -89,11 +91,18 @@ def _write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _remove(path: Path) -> None:
-    """Remove a checkpoint folder: renamed first (at once it no longer counts), then deleted."""
+def _remove(path: Path, later: bool = False) -> threading.Thread | None:
+    """Remove a checkpoint folder: renamed first (at once it no longer counts), then deleted; `later`: by a
+    thread, returned, while training goes on (a ResNet-50's took 0.045 s of each save). A process killed
+    before it is done leaves a .*.removed.tmp folder, which the next resume deletes."""
     gone = path.with_name(f".{path.name}.removed.tmp")
     os.replace(path, gone)
-    shutil.rmtree(gone, ignore_errors=True)
+    if not later:
+        shutil.rmtree(gone, ignore_errors=True)
+        return None
+    t = threading.Thread(target=shutil.rmtree, args=(gone,), kwargs={"ignore_errors": True}, daemon=True)
+    t.start()
+    return t
 
 
 def _file_crc(path: Path) -> dict:
@@ -119,17 +128,55 @@ def _file_crcs(paths: list[Path]) -> list[dict | OSError]:
         return list(pool.map(one, paths))
 
 
-def _own_files(folder: Path, rank: int) -> dict[str, dict]:
+def _own_files(folder: Path, rank: int, known: dict[str, dict] | None = None) -> dict[str, dict]:
     """Size and CRC-32 of the files this rank wrote into a checkpoint folder (rank 0: also DCP's .metadata
-    and trainer.pt)."""
+    and trainer.pt): `known` (computed while writing), the others read back."""
     names = [p.name for p in folder.iterdir() if re.fullmatch(rf"__{rank}_\d+\.distcp", p.name)]
     if rank == 0:
         names += [".metadata", TRAINER]
-    names.sort()
-    crcs = _file_crcs([folder / n for n in names])
+    known = known or {}
+    rest = sorted(n for n in names if n not in known)
+    crcs = _file_crcs([folder / n for n in rest])
     if errors := [e for e in crcs if isinstance(e, OSError)]:
         raise errors[0]
-    return dict(zip(names, crcs, strict=True))
+    found = {n: known[n] for n in names if n in known} | dict(zip(rest, crcs, strict=True))
+    return dict(sorted(found.items()))
+
+
+class _CrcWriter:
+    """A file being written, with the CRC-32 and size of what went through it."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.bytes = f, 0, 0
+
+    def write(self, b) -> int:
+        n = self.f.write(b)
+        self.crc = zlib.crc32(b, self.crc)
+        self.bytes += n
+        return n
+
+    def __getattr__(self, name):  # tell, flush, fileno, close
+        return getattr(self.f, name)
+
+
+class _ChecksummedFiles(FileSystem):
+    """DCP's file system, where each .distcp file is CRC-32'd as DCP writes it: no read-back (which cost
+    0.03 s a save for ResNet-50's 98 MiB a rank). DCP's writer threads share it; each file is one thread's."""
+
+    def __init__(self):
+        super().__init__()
+        self.crcs: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        path = Path(path)
+        with path.open(mode) as f:
+            if mode != "wb" or path.suffix != ".distcp":
+                yield f
+                return
+            w = _CrcWriter(f)
+            yield w
+        self.crcs[path.name] = {"bytes": w.bytes, "crc32": w.crc}
 
 
 def _publish(directory: Path, tmp: Path, step: int, files: dict, extra: dict) -> Path:
@@ -457,6 +504,7 @@ class Checkpointer:
         # asynchronous save's never interleave with training's (gloo: DCP's are on host memory).
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
         self._error: BaseException | None = None
+        self._removing: list[threading.Thread] = []  # deletions of checkpoints that retention let go
         self._stager: DefaultStager | None = None  # checkpoint.async's host copy, made the first time
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
@@ -545,6 +593,7 @@ class Checkpointer:
         threads = _write_threads(tensors, self.cfg.checkpoint.threads, self.world_size)
         background = self.cfg.checkpoint.async_ and not blocking
         writer = (_BackgroundWriter if background else dcp.FileSystemWriter)(tmp, sync_files=True, thread_count=threads)
+        writer.fs = _ChecksummedFiles()
         if background:
             try:
                 upload = dcp.async_save(tensors, storage_writer=writer, planner=_planner(),
@@ -554,13 +603,13 @@ class Checkpointer:
                 raise RuntimeError(f"checkpoint save failed: {e}") from e
             def write_in_background():
                 _background()
-                self._write(upload.result, tmp, parts.step, trainer)
+                self._write(upload.result, tmp, parts.step, trainer, writer.fs.crcs)
             self._pending = threading.Thread(target=write_in_background, daemon=True)
             self._pending.start()
         else:
             upload = lambda: dcp.save(tensors, storage_writer=writer, planner=_planner(),  # noqa: E731
                                       process_group=self._group)
-            self._write(upload, tmp, parts.step, trainer)
+            self._write(upload, tmp, parts.step, trainer, writer.fs.crcs)
             self._raise_pending_error()
 
     def _host_copy(self, device: torch.device) -> DefaultStager:
@@ -595,7 +644,7 @@ class Checkpointer:
         dist.barrier()
         return step
 
-    def _write(self, upload, tmp: Path, step: int, trainer: dict | None) -> None:
+    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, crcs: dict) -> None:
         """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then the CRC-32s of this
         rank's files to rank 0, which writes the rest, the manifest and `latest` (_publish)."""
         try:
@@ -604,7 +653,7 @@ class Checkpointer:
             try:
                 if self.rank == 0:
                     _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
-                mine = _own_files(tmp, self.rank)
+                mine = _own_files(tmp, self.rank, crcs)
             except OSError as e:  # still sent: no rank waits alone in the gather
                 mine = f"rank {self.rank}: {e}"
             files = [None] * self.world_size
@@ -625,9 +674,13 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint save failed: {err}") from err
 
     def wait(self) -> None:
+        """Until the save in flight (checkpoint.async) is complete and the checkpoints it replaced are
+        deleted; raises its error."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
+        while self._removing:
+            self._removing.pop().join()
         self._raise_pending_error()
 
     def _retain(self) -> None:
@@ -638,7 +691,7 @@ class Checkpointer:
             step = int(NAME.match(p.name).group(1))
             if c.keep_every and step % c.keep_every == 0:
                 continue
-            _remove(p)
+            self._removing.append(_remove(p, later=True))
 
     # ---- resuming
     def find_resume(self) -> list[Path]:
