@@ -28,3 +28,15 @@ def test_benchmarks_smoke_writes_the_results_page(tmp_path):
     assert "| overhead: final weights bitwise equal to the same math in a bare loop | yes |" in page
     assert (tmp_path / "BENCHMARKS.png").stat().st_size > 1000
     print(page)
+
+
+def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
+    """bench/checkpoint_parts.py (not in run_all: a breakdown, run by hand) still runs, and says each row."""
+    proc = subprocess.run([PY, "bench/checkpoint_parts.py", "--smoke"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for row in ("1 one process: torch.save(whole) + fsync", "3 each rank: a torch.save per tensor",
+                "4 dcp.save", "5 Checkpointer.save (ours)", "zlib.crc32 of a rank's half",
+                "host copy of the whole state"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(row))
+        assert float(line[50:].split()[0]) > 0, line
