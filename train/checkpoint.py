@@ -747,11 +747,12 @@ class Checkpointer:
 
     def resume(self, parts) -> bool:
         """Load the best complete checkpoint into parts; False when starting fresh."""
+        self.wait()  # this process's own save and deletions, if any, are done: what is left over is a killed one's
         if self.rank == 0:
             (self.cfg.run_dir / "STOPPED").unlink(missing_ok=True)
             if self.dir.is_dir():  # leftovers of a save (or a removal) that was killed: never counted
                 for p in self.dir.glob(".*.tmp*"):
-                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         candidates, error = self._agreed_candidates()
         if error is not None:
             raise ConfigError(error)
