@@ -1,6 +1,7 @@
-"""Checkpoint cost, 2 ranks (DDP, gloo), measured side by side in one run (alternating order, medians).
+"""Checkpoint cost, 2 ranks (DDP or FSDP, gloo), measured side by side in one run (alternating order, medians).
 
-    python bench/checkpoint.py [--model resnet50] [--repeats 7] [--dir /tmp/x] [--async-type thread|process]
+    python bench/checkpoint.py [--model resnet50] [--strategy ddp|fsdp] [--repeats 7] [--dir /tmp/x]
+                               [--async-type thread|process]
 
 Runs itself under torchrun (2 processes). Rank 0 prints the figures; the time of one of our operations is
 rank 0's, from a barrier before it to its return (every rank has written by then).
@@ -11,7 +12,8 @@ rank 0's, from a barrier before it to its return (every rank has written by then
 2. load: Checkpointer.resume (every rank checks its share of the CRCs, DCP reads into model and optimizer)
    against one process's torch.load(mmap=True) of the whole state into model and optimizer.
 3. async (checkpoint.async, DCP's async_save): how long training is blocked against a synchronous save
-   (goal at most 5%), and the DDP step time while the write runs against without (goal at most 1.2x).
+   (goal at most 5%), and the step time while the write runs against without (goal at most 1.2x).
+The baselines write and read the same model and optimizer, unwrapped, in one process (rank 0).
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _util import torchrun, write_json  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from train import checkpoint, config, optim  # noqa: E402
+from train import checkpoint, config, optim, parallel  # noqa: E402
 
 
 class _Quiet:
@@ -45,19 +46,32 @@ class _Quiet:
     warning = info
 
 
-def make_parts(name: str):
+def make_parts(name: str, strategy: str = "ddp"):
+    """A Checkpointer's view of a run: the model wrapped as dist.strategy says (train/parallel.py), its
+    optimizer, and the trainer's counters."""
     cfg = config.load(None, [f"task.model={name}", "task.num_classes=1000", "task.image_size=224",
-                             "checkpoint.keep=3", "dist.timeout_s=600"])
-    net = cfg.task_class(cfg.task, cfg.seed).model()
-    ddp = DDP(net)
+                             "checkpoint.keep=3", "dist.timeout_s=600", f"dist.strategy={strategy}"])
+    task = cfg.task_class(cfg.task, cfg.seed)
+    net = task.model()
+    wrapped = parallel.wrap(cfg, task, net, torch.device("cpu"))
     opt = optim.build(cfg.optim, net)
     position = {"epoch": 0, "samples_in_epoch": 0, "world_size": 2}
     stream = SimpleNamespace(state_dict=lambda: dict(position), load_state_dict=position.update, epoch=0,
                              samples_in_epoch=0)
-    parts = SimpleNamespace(raw=net, ddp=ddp, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                            stream=stream, step=0, device=torch.device("cpu"), window_loss=torch.zeros(()),
-                            window_steps=0, eval_pending=False)
+    parts = SimpleNamespace(raw=net, wrapped=wrapped, optimizer=opt,
+                            scaler=torch.amp.GradScaler("cpu", enabled=False), stream=stream, step=0,
+                            device=torch.device("cpu"), window_loss=torch.zeros(()), window_steps=0,
+                            eval_pending=False)
     return cfg, parts
+
+
+def whole_state(cfg, x: torch.Tensor):
+    """The same model and optimizer in one process, unwrapped, after one step: the baselines' bytes."""
+    net = cfg.task_class(cfg.task, cfg.seed).model()
+    opt = optim.build(cfg.optim, net)
+    net(x).sum().backward()
+    opt.step()
+    return net, opt
 
 
 def timed(fn) -> float:
@@ -70,6 +84,7 @@ def timed(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="dist.strategy of the 2 ranks")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--async-type", choices=("thread", "process"), default=checkpoint.ASYNC_TYPE.value,
@@ -88,12 +103,12 @@ def main() -> None:
     dist.broadcast_object_list(root)
     root = Path(root[0])
     root.mkdir(parents=True, exist_ok=True)
-    cfg, parts = make_parts(args.model)
+    cfg, parts = make_parts(args.model, args.strategy)
     gc.freeze()  # as train/trainer.py does once the parts are built
     x = torch.randn(4, 3, 64, 64)
 
     def train_step():
-        parts.ddp(x).sum().backward()
+        parts.wrapped(x).sum().backward()
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
 
@@ -103,7 +118,8 @@ def main() -> None:
     cfg_async = config.from_dict(config.to_dict(cfg) | {"checkpoint": config.to_dict(cfg.checkpoint) | {"async": True}})
     cfg_async.run.dir = str(root / "run_async")
     asyn = checkpoint.Checkpointer(cfg_async, rank, 2, _Quiet())
-    state = {"model": parts.raw.state_dict(), "optimizer": parts.optimizer.state_dict()}
+    plain, plain_opt = whole_state(cfg, x) if rank == 0 else (None, None)
+    state = {"model": plain.state_dict(), "optimizer": plain_opt.state_dict()} if rank == 0 else None
     bare = root / "bare.pt"
 
     def on_rank_0(fn):
@@ -121,8 +137,8 @@ def main() -> None:
 
     def load_mmap():
         loaded = torch.load(bare, map_location="cpu", weights_only=True, mmap=True)
-        parts.raw.load_state_dict(loaded["model"])
-        parts.optimizer.load_state_dict(loaded["optimizer"])
+        plain.load_state_dict(loaded["model"])
+        plain_opt.load_state_dict(loaded["optimizer"])
 
     def resume(ckpt):  # the figure is only worth something if the checkpoint did load
         if not ckpt.resume(parts) or ckpt.resumed_from is None or parts.step != i + 1:
@@ -169,9 +185,9 @@ def main() -> None:
             ("step time while an async save writes", med(step_during) if step_during else float("nan"),
              med(step_alone), 1.2),
         ]
-        print(f"model {args.model}, 2 ranks (gloo), state {size:.0f} MiB, {args.repeats} repeats in alternating "
-              f"order, medians, in {root}; async: {args.async_type}, {len(step_during)} training steps overlapped "
-              f"a background write")
+        print(f"model {args.model}, {args.strategy}, 2 ranks (gloo), state {size:.0f} MiB, {args.repeats} repeats in "
+              f"alternating order, medians, in {root}; async: {args.async_type}, {len(step_during)} training steps "
+              f"overlapped a background write")
         print(f"{'figure':40s} {'ours s':>8s} {'base s':>8s} {'ratio':>7s} {'goal':>7s}")
         for name, ours, base, goal in rows:
             ratio = ours / base
@@ -180,7 +196,8 @@ def main() -> None:
                   f"{verdict}")
         print(f"dd conv=fsync of the same bytes: min {min(t['dd']):.3f} s, median {med(t['dd']):.3f} s, max "
               f"{max(t['dd']):.3f} s")
-        write_json(args.json, {"model": args.model, "checkpoint_mib": size, "async_type": args.async_type,
+        write_json(args.json, {"model": args.model, "strategy": args.strategy, "checkpoint_mib": size,
+                               "async_type": args.async_type,
                                "save_s": med(t["ours"]), "save_ratio_fsync": med(t["ours"]) / med(t["fsync"]),
                                "dd_fsync_s": med(t["dd"]), "dd_fsync_min_s": min(t["dd"]),
                                "dd_fsync_max_s": max(t["dd"]),

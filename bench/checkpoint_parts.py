@@ -54,7 +54,7 @@ def main() -> None:
     dist.broadcast_object_list(root)
     root = Path(root[0])
     cfg, parts = make_parts(args.model)
-    parts.ddp(torch.randn(2, 3, 64, 64)).sum().backward()
+    parts.wrapped(torch.randn(2, 3, 64, 64)).sum().backward()
     parts.optimizer.step()  # momentum buffers exist, as in a real checkpoint
     gc.freeze()  # as train/trainer.py does once the parts are built
     cfg.run.dir = str(root / "run")
