@@ -477,7 +477,8 @@ def _background() -> None:
     """The calling thread, and every thread it starts from now on, at the lowest CPU priority (Linux: nice
     19 per thread): an asynchronous save writes with the CPU time that training leaves."""
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: the save runs at training's priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class _BackgroundWriter(dcp.FileSystemWriter):
