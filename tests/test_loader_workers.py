@@ -93,12 +93,28 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _is_loader_worker(pid: int) -> bool:
+    """torch names a loader worker's thread pt_data_worker. Not every child of the fork server is one:
+    importing torch in its preload runs `/sbin/ldconfig -p` (ctypes), a child that ends at once."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "pt_data_worker"
+    except OSError:
+        return False
+
+
 def _loader_processes(rank: int) -> tuple[int, list[int]] | None:
     """(the fork server, its loader workers) of a rank, once both exist."""
     servers = [p for p in children(rank) if "multiprocessing.forkserver" in _cmdline(p)]
-    if len(servers) == 1 and (workers := children(servers[0])):
+    if len(servers) == 1 and (workers := [w for w in children(servers[0]) if _is_loader_worker(w)]):
         return servers[0], workers
     return None
+
+
+def _ranks(launcher: int) -> list[int] | None:
+    """The launcher's two ranks, once both run `-m train`: a child between fork and exec (torchrun's
+    subprocess.Popen) still blocks every signal, and is not a rank yet."""
+    ranks = [p for p in children(launcher) if " -m train " in _cmdline(p)]
+    return ranks if len(ranks) == 2 else None
 
 
 def _step(run_dir: Path) -> int:
@@ -118,7 +134,7 @@ def test_loader_workers_and_their_server_ignore_stop_signals_and_end_with_their_
                             start_new_session=True)
     seen: set[int] = set()  # the ranks and everything they started
     try:
-        ranks = wait_for(lambda: len(r := children(proc.pid)) == 2 and r, 60, "the two ranks")
+        ranks = wait_for(lambda: _ranks(proc.pid), 60, "the two ranks")
         server, workers = wait_for(lambda: _loader_processes(ranks[1]), 60, "rank 1's loader workers")
         of_rank = [{c for p in children(rank) for c in [p, *children(p)]} for rank in ranks]
         seen.update(ranks, *of_rank)
