@@ -67,7 +67,6 @@ def main() -> None:
     half_bytes = b"".join(t.reshape(-1).numpy().view("uint8").tobytes() for t in half)
     dcp_tensors, _ = checkpoint._tensor_state(parts)
     threads = checkpoint._write_threads(dcp_tensors, cfg.checkpoint.threads, 2)
-    staged = [None]
     n = [0]
 
     def fsynced(name, write):
@@ -88,7 +87,7 @@ def main() -> None:
         ckpt.save(parts, blocking=True)
 
     def host_copy():
-        staged[0] = ckpt._host_copy(parts.device).stage(dcp_tensors)
+        ckpt._host_copy(parts.device).stage(dcp_tensors)
 
     rows = {
         "1 one process: torch.save(whole) + fsync":

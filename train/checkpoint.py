@@ -23,7 +23,6 @@ one plain file of a checkpoint's weights.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import enum
@@ -115,17 +114,13 @@ def _file_crc(path: Path) -> dict:
 
 
 def _file_crcs(paths: list[Path]) -> list[dict | OSError]:
-    """_file_crc of several files at once, or the error reading each (zlib releases the GIL: a rank's
-    files are checked side by side)."""
+    """_file_crc of each file, or the error reading it."""
     def one(path: Path) -> dict | OSError:
         try:
             return _file_crc(path)
         except OSError as e:
             return e
-    if len(paths) < 2:
-        return [one(p) for p in paths]
-    with concurrent.futures.ThreadPoolExecutor(min(len(paths), 8)) as pool:
-        return list(pool.map(one, paths))
+    return [one(p) for p in paths]
 
 
 def _own_files(folder: Path, rank: int, known: dict[str, dict] | None = None) -> dict[str, dict]:
