@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 import zlib
 
@@ -218,6 +219,55 @@ def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path, fi
         assert_same_weights(a["model"], b["model"])
         for name, state in a["optimizer"]["state"].items():
             assert_same_weights(state, b["optimizer"]["state"][name])
+
+
+ASYNC_SAVE_THEN_TRAIN = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from train import checkpoint, config, optim
+
+run = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{run}.store", rank=0, world_size=1)
+cfg = config.load(None, [f"run.dir={run}", "checkpoint.async=true", "optim.name=adamw"])
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.BatchNorm1d(4096), torch.nn.Linear(4096, 4096))
+opt = optim.build(cfg.optim, net)
+x = torch.randn(2, 4096)
+net(x).square().mean().backward()
+opt.step()  # the optimizer's state exists
+net(x).square().mean().backward()  # the gradients of the step after the save
+parts = SimpleNamespace(raw=net, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False), step=1,
+                        stream=SimpleNamespace(state_dict=lambda: {}), device=torch.device("cpu"),
+                        window_loss=torch.zeros(()), window_steps=0, eval_pending=False)
+before = {k: v.clone() for k, v in net.state_dict().items()}
+moments = {k: v.clone() for k, v in opt.state[net[0].weight].items()}
+ckpt = checkpoint.Checkpointer(cfg, 0, 1, SimpleNamespace(info=print, warning=print))
+ckpt.save(parts)  # returns before DCP's host copy is made
+with torch.no_grad():
+    net(x)  # at once: a forward changes the BatchNorm statistics
+opt.step()  # and the optimizer step every other tensor, as the copy of 384 MiB has only begun
+ckpt.wait()
+saved = checkpoint.read_state(run / "checkpoints" / "step_00000001")
+for k, v in net.state_dict().items():
+    assert torch.equal(saved["model"][k], before[k]), f"{k}: the checkpoint holds a later value"
+    assert k.endswith("num_batches_tracked") or not torch.equal(v, before[k]), f"{k}: training did not move it"
+for k, v in moments.items():
+    assert torch.equal(saved["optimizer"]["state"]["0.weight"][k], v), f"optimizer {k}: a later value"
+print("the checkpoint holds the state of its step")
+"""
+
+
+def test_an_async_save_holds_its_steps_state_while_training_goes_on_at_once(tmp_path):
+    """checkpoint.async returns before DCP copies the tensors to host memory; training goes on at once. The
+    checkpoint must still hold the state of its step: the BatchNorm statistics that the next forward changes
+    (copied by save()), the parameters and the optimizer's state that the next optimizer step changes (it
+    waits for the copy)."""
+    proc = subprocess.run([sys.executable, "-c", ASYNC_SAVE_THEN_TRAIN, str(tmp_path / "run")], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the checkpoint holds the state of its step" in proc.stdout
 
 
 def test_resume_never_and_resume_from_a_path(tmp_path, finished_run):

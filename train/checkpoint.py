@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import pickle
+import queue
 import random
 import re
 import shutil
@@ -39,6 +40,7 @@ import threading
 import time
 import warnings
 import zlib
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from train.config import Config, ConfigError, OneLineParser, UsageError, to_dict
 from train.distributed import launch_id, sync_buffers
@@ -322,6 +325,14 @@ def _nbytes(tree: dict) -> int:
     return sum(_nbytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values())
 
 
+def _buffers_copied(model: dict, module: torch.nn.Module) -> dict:
+    """The model's state with its buffers (BatchNorm statistics: a forward changes them in place, DDP's
+    broadcast too) copied now, for an asynchronous save whose host copy of the rest comes later."""
+    buffers = {b.data_ptr() for b in module.buffers()}
+    return {k: v.clone() if torch.is_tensor(v) and not isinstance(v, DTensor) and v.data_ptr() in buffers else v
+            for k, v in model.items()}
+
+
 def _write_threads(tensors: dict, most: int, world_size: int) -> int:
     """How many files each rank writes at once: checkpoint.threads, but none for less than 16 MiB of this
     rank's share (a small model's save stays one file per rank, its fsyncs few)."""
@@ -495,13 +506,17 @@ class Checkpointer:
         # With resume=PATH into this run's own directory (a rollback): PATH, relative to the run directory. It
         # goes into the manifest of every save, so that a relaunch knows the rollback is done (find_resume).
         self.rollback: str | None = None
-        self._pending: threading.Thread | None = None  # a save being written in the background
+        self._pending: futures.Future | None = None  # a save being written in the background
+        self._jobs: queue.SimpleQueue | None = None  # what the writer thread does (checkpoint.async)
         # DCP's collectives (and this module's during a save) run in a process group of their own: an
         # asynchronous save's never interleave with training's (gloo: DCP's are on host memory).
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
         self._error: BaseException | None = None
         self._removing: list[threading.Thread] = []  # deletions of checkpoints that retention let go
         self._stager: DefaultStager | None = None  # checkpoint.async's host copy, made the first time
+        self._staging: futures.Future | None = None  # that copy being made, for the next optimizer step
+        self._gate_handle = None  # the optimizer step's pre-hook that waits for it
+        self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/checkpoint.py)
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
     # ---- stop requests
@@ -560,13 +575,12 @@ class Checkpointer:
 
     def save(self, parts, blocking: bool = False) -> None:
         """Called on every rank: every rank writes its share of the tensors (DCP); rank 0 the rest, then the
-        manifest. With checkpoint.async (and not `blocking`), training blocks only for DCP's copy of the
-        tensors to host memory; the files are written in the background, one save at a time."""
+        manifest. With checkpoint.async (and not `blocking`), training goes on at once: DCP copies the
+        tensors to host memory while the next step's forward and backward run (its optimizer step waits for
+        the copy: _gate), and writes the files in the background, one save at a time."""
         self.saved_step = parts.step
-        mine = {"rng": _rng_state(parts.device),
+        mine = {"rng": _rng_state(parts.device),  # gathered to rank 0's trainer.pt by _write
                 "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
-        ranks = [None] * self.world_size
-        dist.all_gather_object(ranks, mine)
         self.wait()  # the next save waits for the previous one
         # DCP writes each replicated tensor from one rank of its choosing: every rank holds rank 0's buffers
         # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
@@ -578,8 +592,6 @@ class Checkpointer:
             "scaler": parts.scaler.state_dict(),
             "step": parts.step,
             "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
-            "rng": [r["rng"] for r in ranks],
-            "window": [r["window"] for r in ranks],  # the loss of each rank since the last log step
             "eval_pending": parts.eval_pending,
             "world_size": self.world_size,
             "config": to_dict(self.cfg),
@@ -591,34 +603,68 @@ class Checkpointer:
         writer = (_BackgroundWriter if background else dcp.FileSystemWriter)(tmp, sync_files=True, thread_count=threads)
         writer.fs = _ChecksummedFiles()
         if background:
-            try:
-                upload = dcp.async_save(tensors, storage_writer=writer, planner=_planner(),
-                                        async_stager=self._host_copy(parts.device), process_group=self._group,
-                                        async_checkpointer_type=ASYNC_TYPE)
-            except Exception as e:
-                raise RuntimeError(f"checkpoint save failed: {e}") from e
-            def write_in_background():
-                _background()
-                self._write(upload.result, tmp, parts.step, trainer, writer.fs.crcs)
-            self._pending = threading.Thread(target=write_in_background, daemon=True)
-            self._pending.start()
+            tensors["model"] = _buffers_copied(tensors.get("model", {}), parts.raw)
+            self._gate(parts.optimizer)
+            stager, self._staging, self._pending = self._host_copy(parts.device), futures.Future(), futures.Future()
+            job = (tensors, writer, stager, tmp, parts.step, trainer, mine, self._staging, self._pending)
+            self._writer_jobs().put(lambda: self._write_async(*job))
         else:
             upload = lambda: dcp.save(tensors, storage_writer=writer, planner=_planner(),  # noqa: E731
                                       process_group=self._group)
-            self._write(upload, tmp, parts.step, trainer, writer.fs.crcs)
+            self._write(upload, tmp, parts.step, trainer, mine, writer.fs.crcs)
             self._raise_pending_error()
 
+    def _writer_jobs(self) -> queue.SimpleQueue:
+        """This process's checkpoint writer: one daemon thread, started at the first asynchronous save and
+        reused (a thread started per save cost the training thread ~8 ms here: bench/checkpoint.py)."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=lambda jobs=self._jobs: [job() for job in iter(jobs.get, None)], daemon=True,
+                             name="checkpoint-writer").start()
+        return self._jobs
+
+    def _write_async(self, tensors: dict, writer, stager: DefaultStager, tmp: Path, step: int, trainer: dict | None,
+                     mine: dict, staged: futures.Future, done: futures.Future) -> None:
+        """checkpoint.async, in the writer thread: DCP's async_save copies the tensors to host memory here
+        (the optimizer's next step waits for that: _gate), then writes them from DCP's own thread."""
+        try:
+            try:
+                upload = dcp.async_save(tensors, storage_writer=writer, planner=_planner(), async_stager=stager,
+                                        process_group=self._group, async_checkpointer_type=ASYNC_TYPE)
+            finally:
+                staged.set_result(None)
+            self._write(upload.result, tmp, step, trainer, mine, writer.fs.crcs)
+        except BaseException as e:  # reported by the training thread at the next save or at exit
+            self._error = e
+        finally:
+            done.set_result(None)
+
     def _host_copy(self, device: torch.device) -> DefaultStager:
-        """What an asynchronous save copies the tensors into before training goes on: host memory allocated
-        at the first save and reused by every later one (pinned on a GPU; shared with DCP's process when
-        it writes from one), at the cost of one more copy of this rank's state in host memory. A fresh
-        allocation each save cost more than the copy itself (bench/checkpoint.py)."""
+        """What an asynchronous save copies the tensors into: host memory allocated at the first save and
+        reused by every later one (pinned on a GPU; shared with DCP's process when it writes from one), at
+        the cost of one more copy of this rank's state in host memory. A fresh allocation each save cost more
+        than the copy itself (bench/checkpoint.py). The copy runs in the writer thread while the next step's
+        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step."""
         if self._stager is None:
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=device.type == "cuda",
                 use_shared_memory=ASYNC_TYPE == dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
                 use_async_staging=False, use_non_blocking_copy=False))
         return self._stager
+
+    def _gate(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the optimizer's next step wait until an asynchronous save's host copy is made: parameters and
+        optimizer state change only there, so training blocks for the copy only where forward and backward
+        did not cover it (buffers, which a forward changes, were copied before: _buffers_copied)."""
+        if self._gate_handle is None:
+            self._gate_handle = optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+
+    def _wait_for_staging(self) -> None:
+        if self._staging is not None:
+            t = time.perf_counter()
+            futures.wait([self._staging])  # a failed copy is reported with the write's error (_write)
+            self.staging_wait_s += time.perf_counter() - t
+            self._staging = None
 
     def save_and_stop(self, parts) -> int:
         """The last save of a stopped run, then the STOPPED marker for the launcher; no rank exits before
@@ -640,14 +686,19 @@ class Checkpointer:
         dist.barrier()
         return step
 
-    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, crcs: dict) -> None:
-        """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then the CRC-32s of this
-        rank's files to rank 0, which writes the rest, the manifest and `latest` (_publish)."""
+    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, mine: dict, crcs: dict) -> None:
+        """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then its RNG states and
+        loss window (`mine`) and the CRC-32s of its files to rank 0, which writes the rest (trainer.pt), the
+        manifest and `latest` (_publish). In checkpoint.async's thread, off the training thread's time."""
         try:
             t = time.perf_counter()
             upload()
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, mine, group=self._group)
             try:
                 if self.rank == 0:
+                    trainer["rng"] = [r["rng"] for r in ranks]
+                    trainer["window"] = [r["window"] for r in ranks]  # each rank's loss since the last log step
                     _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
                 mine = _own_files(tmp, self.rank, crcs)
             except OSError as e:  # still sent: no rank waits alone in the gather
@@ -673,8 +724,9 @@ class Checkpointer:
         """Until the save in flight (checkpoint.async) is complete and the checkpoints it replaced are
         deleted; raises its error."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.result()
             self._pending = None
+            self._staging = None
         while self._removing:
             self._removing.pop().join()
         self._raise_pending_error()
