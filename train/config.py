@@ -94,7 +94,7 @@ class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end and on a stop signal)
     keep: int = 2  # keep the last N checkpoints (at least 2)
     keep_every: int = 0  # also keep every K-th step for good (0: none)
-    async_: bool = False  # YAML/CLI key: checkpoint.async; write in the background after a host copy
+    async_: bool = False  # YAML/CLI key: checkpoint.async; write in the background (copied during the next step)
     threads: int = 8  # files each rank writes at once (DCP's thread_count), one per 16 MiB at most
     signal: Literal["SIGTERM", "SIGUSR1", "SIGUSR2"] = "SIGTERM"  # save and exit 75 ("requeue me") on it
 
