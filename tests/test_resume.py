@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
@@ -268,6 +269,27 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on_at_once(tmp_
                           env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the checkpoint holds the state of its step" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(tmp_path, mode):
+    """A save that cannot be written (here a real write error: files past 10 MiB refused, RLIMIT_FSIZE, as a
+    full disk refuses them) ends the run with one line per rank naming the error and what to do; the
+    checkpoints before it stay complete and `latest`, and the same command relaunched resumes from them."""
+    run_train(tmp_path, "train.steps=4", "checkpoint.every=2", nproc=2)
+    cmd = train_cmd(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.async={mode == 'async'}", nproc=2)
+    limit = 10 << 20  # each rank's DCP files here are ~22 MiB; the logs stay far below
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: a checkpoint could not be written; the ones before it are intact" in proc.stderr
+                and "OSError: [Errno 27] File too large)" in proc.stderr), proc.stderr[-3000:]
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    assert [p.name for p in checkpoint.complete_checkpoints(ckpts)] == ["step_00000004", "step_00000002"]
+    proc = run_train(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.async={mode == 'async'}", nproc=2)
+    assert "at step 4" in proc.stdout and summary(tmp_path)["steps"] == 8
 
 
 def test_resume_never_and_resume_from_a_path(tmp_path, finished_run):

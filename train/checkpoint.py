@@ -73,6 +73,10 @@ ASYNC_TYPE = dcp.state_dict_saver.AsyncCheckpointerType.THREAD
 
 # ---------------------------------------------------------------- files
 
+class SaveError(RuntimeError):
+    """A save that failed (a full disk, say): it never counts, and the checkpoints before it are intact."""
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -173,7 +177,12 @@ class _ChecksummedFiles(FileSystem):
                 yield f
                 return
             w = _CrcWriter(f)
-            yield w
+            try:
+                yield w
+            except RuntimeError as e:  # torch.save's writer reports a failed write (a full disk) as "unexpected
+                if isinstance(e.__context__, OSError):  # pos": the OSError it met is the one to name
+                    raise e.__context__ from None
+                raise
         self.crcs[path.name] = {"bytes": w.bytes, "crc32": w.crc}
 
 
@@ -718,7 +727,7 @@ class Checkpointer:
     def _raise_pending_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"checkpoint save failed: {err}") from err
+            raise SaveError(f"checkpoint save failed: {_why(err)}") from err
 
     def wait(self) -> None:
         """Until the save in flight (checkpoint.async) is complete and the checkpoints it replaced are

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from train import data, distributed, hang, optim, parallel
-from train.checkpoint import EXIT_REQUEUE, Checkpointer, check_fresh_start
+from train.checkpoint import EXIT_REQUEUE, Checkpointer, SaveError, check_fresh_start
 from train.config import Config, ConfigError
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
@@ -307,6 +307,9 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         return 0
     except Exception as e:  # a usage error (ConfigError) goes on to the entry point
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
+        if reason is None and isinstance(e, SaveError):
+            reason = ("a checkpoint could not be written; the ones before it are intact: make room (or fix the "
+                      "folder), then relaunch the same command, which resumes from the latest")
         if reason is None:
             raise
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
