@@ -616,20 +616,26 @@ class Checkpointer:
             self._gate(parts.optimizer)
             stager, self._staging, self._pending = self._host_copy(parts.device), futures.Future(), futures.Future()
             job = (tensors, writer, stager, tmp, parts.step, trainer, mine, self._staging, self._pending)
-            self._writer_jobs().put(lambda: self._write_async(*job))
+            self._writer_jobs(parts.device).put(lambda: self._write_async(*job))
         else:
             upload = lambda: dcp.save(tensors, storage_writer=writer, planner=_planner(),  # noqa: E731
                                       process_group=self._group)
             self._write(upload, tmp, parts.step, trainer, mine, writer.fs.crcs)
             self._raise_pending_error()
 
-    def _writer_jobs(self) -> queue.SimpleQueue:
+    def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
         """This process's checkpoint writer: one daemon thread, started at the first asynchronous save and
         reused (a thread started per save cost the training thread ~8 ms here: bench/checkpoint.py)."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=lambda jobs=self._jobs: [job() for job in iter(jobs.get, None)], daemon=True,
-                             name="checkpoint-writer").start()
+
+            def work(jobs: queue.SimpleQueue = self._jobs) -> None:
+                if device.type == "cuda":  # a new thread's current GPU is cuda:0, whatever its rank's
+                    torch.cuda.set_device(device)
+                for job in iter(jobs.get, None):
+                    job()
+
+            threading.Thread(target=work, daemon=True, name="checkpoint-writer").start()
         return self._jobs
 
     def _write_async(self, tensors: dict, writer, stager: DefaultStager, tmp: Path, step: int, trainer: dict | None,
@@ -709,11 +715,11 @@ class Checkpointer:
                     trainer["rng"] = [r["rng"] for r in ranks]
                     trainer["window"] = [r["window"] for r in ranks]  # each rank's loss since the last log step
                     _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
-                mine = _own_files(tmp, self.rank, crcs)
+                own = _own_files(tmp, self.rank, crcs)
             except OSError as e:  # still sent: no rank waits alone in the gather
-                mine = f"rank {self.rank}: {e}"
+                own = f"rank {self.rank}: {e}"
             files = [None] * self.world_size
-            dist.all_gather_object(files, mine, group=self._group)
+            dist.all_gather_object(files, own, group=self._group)
             if failed := [f for f in files if isinstance(f, str)]:
                 raise OSError(failed[0])
             if self.rank == 0:
