@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, run_train, summary
 from tests.procs import finish, logged_steps, wait_for
+from train import checkpoint
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
 # micro-steps of 4 (accumulation), clipping that bites (the gradient norm is ~0.3-1 here), dropout (the masks
@@ -196,16 +197,22 @@ def test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back(tmp_path, lm_r
 def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
     """ResNet-18 (its 4 stages as FSDP units, BatchNorm), 2 ranks x 2 micro-steps, fp32 without clipping: with 2
     ranks the reduce-scatter adds the same two numbers as DDP's all-reduce, so the checkpoints (the gathered
-    model, BatchNorm statistics included, under the same names as DDP's) are equal bit for bit."""
+    model, BatchNorm statistics included, under the same names as DDP's, and the optimizer's state) are equal
+    bit for bit, those that FSDP saved with checkpoint.async (copied while the next step ran) included."""
     runs = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy, saving in (("ddp", "false"), ("fsdp", "true")):
         runs[strategy] = tmp_path / strategy
         run_train(runs[strategy], "task.image_size=8", "task.eval_samples=16", "train.micro_batch_size=4",
-                  "train.steps=2", f"dist.strategy={strategy}", nproc=2)
-    a, b = latest_state(runs["ddp"])["model"], latest_state(runs["fsdp"])["model"]
-    assert a.keys() == b.keys()
-    for k, v in a.items():
-        assert torch.equal(v, b[k]), f"{k} differs"
+                  "train.steps=2", f"dist.strategy={strategy}", "checkpoint.every=1", f"checkpoint.async={saving}",
+                  nproc=2)
+    for step in (1, 2):
+        a, b = (checkpoint.read_state(runs[s] / "checkpoints" / f"step_{step:08d}") for s in ("ddp", "fsdp"))
+        assert a["model"].keys() == b["model"].keys()
+        for k, v in a["model"].items():
+            assert torch.equal(v, b["model"][k]), f"step {step}: {k} differs"
+        for name, state in a["optimizer"]["state"].items():
+            for k, v in state.items():
+                assert torch.equal(v, b["optimizer"]["state"][name][k]), f"step {step}: optimizer {name}.{k} differs"
     assert losses(runs["ddp"]) == losses(runs["fsdp"])
     # FSDP does not broadcast rank 0's BatchNorm statistics at each forward as DDP does: evaluation gives every
     # rank rank 0's (those of the checkpoint), so the evaluation is DDP's too.
