@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from _util import torchrun, write_json  # noqa: E402
 
 from train import checkpoint, config, optim, parallel  # noqa: E402
+from train.distributed import exit_process  # noqa: E402
 
 
 class _Quiet:
@@ -216,6 +217,7 @@ def main() -> None:
     if rank == 0 and not args.dir:
         shutil.rmtree(root)  # a few checkpoints of this size per run: never left behind in /tmp
     dist.destroy_process_group()
+    exit_process(0)  # not through Python's finalization, which DDP's gloo threads can abort (see there)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from _util import torchrun  # noqa: E402
 from checkpoint import _Quiet, make_parts  # noqa: E402
 
 from train import checkpoint  # noqa: E402
+from train.distributed import exit_process  # noqa: E402
 
 
 def main() -> None:
@@ -129,6 +130,7 @@ def main() -> None:
     if rank == 0:
         shutil.rmtree(root)
     dist.destroy_process_group()
+    exit_process(0)  # not through Python's finalization, which DDP's gloo threads can abort (see there)
 
 
 if __name__ == "__main__":

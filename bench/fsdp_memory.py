@@ -60,6 +60,9 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, out) -> 
             out.put(counts)
     finally:
         dist.destroy_process_group()
+    from train.distributed import exit_process
+
+    exit_process(0)  # not through Python's finalization, which DDP's gloo threads can abort (see there)
 
 
 def measure(model: str, strategy: str, nproc: int) -> list[dict[str, int]]:
