@@ -113,17 +113,22 @@ def latest_state(run_dir: Path) -> dict:
     return read_state(ckpt / (ckpt / "latest").read_text().strip())
 
 
+def assert_same_state(a: dict, b: dict, where: str = "") -> None:
+    """Two checkpoints (read_state) hold bitwise the same weights and optimizer state."""
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), f"{where}model {k} differs"
+    for i, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"{where}optimizer state {i}.{k} differs"
+
+
 def assert_same_training(reference: Path, run: Path) -> None:
     """The newest checkpoints of two runs hold bitwise the same weights and optimizer state, and the runs
     logged the same loss at the same steps: what a resume promises against an uninterrupted run."""
     a, b = latest_state(reference), latest_state(run)
     assert a["step"] == b["step"], (a["step"], b["step"])
-    assert a["model"].keys() == b["model"].keys()
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), f"model {k} differs from the uninterrupted run"
-    for i, st in a["optimizer"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
+    assert_same_state(a, b, "against the uninterrupted run: ")
     losses = [(m["step"], m["loss"]) for m in metrics(run) if "loss" in m]
     assert losses == [(m["step"], m["loss"]) for m in metrics(reference) if "loss" in m]
 

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, run_train, summary
+from tests.conftest import (
+    PY,
+    ROOT,
+    assert_same_state,
+    assert_same_training,
+    clean_env,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+)
 from tests.procs import finish, logged_steps, wait_for
 from train import checkpoint
 
@@ -207,12 +217,7 @@ def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
                   nproc=2)
     for step in (1, 2):
         a, b = (checkpoint.read_state(runs[s] / "checkpoints" / f"step_{step:08d}") for s in ("ddp", "fsdp"))
-        assert a["model"].keys() == b["model"].keys()
-        for k, v in a["model"].items():
-            assert torch.equal(v, b["model"][k]), f"step {step}: {k} differs"
-        for name, state in a["optimizer"]["state"].items():
-            for k, v in state.items():
-                assert torch.equal(v, b["optimizer"]["state"][name][k]), f"step {step}: optimizer {name}.{k} differs"
+        assert_same_state(a, b, f"step {step}: ")
     assert losses(runs["ddp"]) == losses(runs["fsdp"])
     # FSDP does not broadcast rank 0's BatchNorm statistics at each forward as DDP does: evaluation gives every
     # rank rank 0's (those of the checkpoint), so the evaluation is DDP's too.
