@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
+import importlib
 import json
 import mmap
 import os
@@ -244,8 +245,13 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("builtins", "getattr"):  # Python 3.11.0-3.11.4 pickle an enum member by name
             return _enum_member
-        if name in self.ALLOWED.get(module, ()):
-            return super().find_class(module, name)
+        # A class is named by the module that defines it, which moves between versions (Python 3.13 pickles
+        # pathlib.PosixPath as pathlib._local.PosixPath): a submodule of an allowed module counts as that
+        # module, and the class is taken from the allowed module itself (the submodule is never imported).
+        # A file written on any Python loads on any other.
+        for allowed, names in self.ALLOWED.items():
+            if (module == allowed or module.startswith(allowed + ".")) and name in names:
+                return getattr(importlib.import_module(allowed), name)
         raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is none of DCP's metadata classes")
 
 
