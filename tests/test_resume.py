@@ -181,15 +181,39 @@ def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never
     assert not marker.exists()  # never unpickled with code: the payload never ran
 
 
-def test_mismatched_model_is_one_line_and_overwrites_nothing(tmp_path, finished_run):
-    copy_run(finished_run, tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
-    proc = run_train(tmp_path, "task.model=resnet34", "train.steps=9", expect=2)
-    assert "does not match the model of this run (it has task.model=resnet18, this run task.model=resnet34)" \
-        in proc.stderr and "missing, first layer1.2" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    after = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts}
-    assert before == after
+def _files(run_dir) -> dict:
+    return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.parts}
+
+
+@pytest.mark.parametrize("change", ["model", "optimizer", "every checkpoint corrupt"])
+def test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay(tmp_path, change, finished_run):
+    """resume=auto never trains from step 0 over a run it cannot load: that would lose the run at the next
+    retention (its new saves sort below the old ones) and again at every relaunch. Another model or optimizer
+    is named with what differs; checkpoints that all fail to load are a usage error that lists the ways out."""
+    copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6, trained with sgd
+    if change == "every checkpoint corrupt":
+        for shard in (tmp_path / "checkpoints").glob("step_*/__0_0.distcp"):
+            raw = shard.read_bytes()
+            shard.write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    before = _files(tmp_path)
+    override = {"model": "task.model=resnet34", "optimizer": "optim.name=adamw"}.get(change, "seed=0")
+    proc = run_train(tmp_path, override, "checkpoint.every=2", "train.steps=9", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    if change == "model":
+        assert "does not match the model of this run (it has task.model=resnet18, this run task.model=resnet34)" \
+            in errors[0] and "missing, first layer1.2" in errors[0]
+    elif change == "optimizer":
+        assert "does not match the optimizer of this run (it has optim.name=sgd, this run optim.name=adamw)" \
+            in errors[0] and "missing, first state.conv1.weight.step" in errors[0], errors[0]
+    else:
+        assert "no checkpoint of this run loads: step_00000006 fails its checksum" in errors[0]
+        assert "Nothing was trained" in errors[0] and "new run.name" in errors[0]
+    assert _files(tmp_path) == before  # nothing trained, saved, deleted or set aside
+    if change == "optimizer":  # the run itself is intact: its own config continues it
+        proc = run_train(tmp_path, "checkpoint.every=2", "train.steps=8")
+        assert "resumed from" in proc.stdout and "at step 6" in proc.stdout
+        assert sorted(train_losses(tmp_path)) == list(range(1, 9))
 
 
 def test_world_size_change_continues_from_the_same_samples_seen(tmp_path):

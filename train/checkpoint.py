@@ -447,22 +447,22 @@ def _tensor_state(parts) -> tuple[dict, dict]:
     return _split({"model": model, "optimizer": optimizer})
 
 
-def _task_diff(cfg: Config, state: dict) -> str:
-    """How the checkpoint's task.* keys differ from this run's, as ` (it has task.model=resnet18, this run
-    task.model=resnet34)`; empty when they are the same or unknown."""
-    theirs = (state.get("config") or {}).get("task")
+def _config_diff(cfg: Config, state: dict, section: str) -> str:
+    """How the checkpoint's keys of a config section (task, optim) differ from this run's, as ` (it has
+    task.model=resnet18, this run task.model=resnet34)`; empty when they are the same or unknown."""
+    theirs = (state.get("config") or {}).get(section)
     if not isinstance(theirs, dict):
         return ""
-    ours = to_dict(cfg)["task"]
+    ours = to_dict(cfg)[section]
     keys = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
     if not keys:
         return ""
-    return (" (it has " + ", ".join(f"task.{k}={theirs.get(k)}" for k in keys[:3])
-            + ", this run " + ", ".join(f"task.{k}={ours.get(k)}" for k in keys[:3]) + ")")
+    return (" (it has " + ", ".join(f"{section}.{k}={theirs.get(k)}" for k in keys[:3])
+            + ", this run " + ", ".join(f"{section}.{k}={ours.get(k)}" for k in keys[:3]) + ")")
 
 
-def _model_mismatch(expected: dict, got: dict) -> str | None:
-    """How two {name: shape} of a model differ (this run's, the checkpoint's); None when they do not."""
+def _mismatch(expected: dict, got: dict) -> str | None:
+    """How two {name: shape} of a state differ (this run's, the checkpoint's); None when they do not."""
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
     shapes = [f"{k} {got[k]} vs {v}" for k, v in expected.items() if k in got and got[k] != v]
@@ -476,9 +476,23 @@ def _model_mismatch(expected: dict, got: dict) -> str | None:
     return "; ".join(problems) or None
 
 
-def _model_shapes(metadata: Metadata) -> dict:
-    return {fqn.split(".", 1)[1]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
-            if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+def _shapes(metadata: Metadata, part: str) -> dict:
+    """{name: shape} of the tensors of one part ("model", "optimizer") of a checkpoint, by DCP's index."""
+    paths = metadata.planner_data or {}
+    return {".".join(paths.get(fqn, tuple(fqn.split(".")))[1:]): tuple(md.size)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.split(".", 1)[0] == part and isinstance(md, TensorStorageMetadata)}
+
+
+def _shapes_of(tree: dict, prefix: str = "") -> dict:
+    """{name: shape} of the tensors of a nested state dict, named as _shapes names a checkpoint's."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _shapes_of(v, f"{prefix}{k}.")
+        elif torch.is_tensor(v):
+            out[f"{prefix}{k}"] = tuple(v.shape)
+    return out
 
 
 def check_fresh_start(cfg: Config) -> None:
@@ -825,19 +839,30 @@ class Checkpointer:
         candidates, error = self._agreed_candidates()
         if error is not None:
             raise ConfigError(error)
+        failed: list[str] = []  # "step_00000020 <what is wrong with it>" of each that did not load
+        expected = {"model": _shapes_of(get_model_state_dict(parts.raw))} if candidates else {}
+        if candidates:
+            expected["optimizer"] = _shapes_of(_tensor_state(parts)[0].get("optimizer", {}))
         for path in candidates:
             t = time.perf_counter()
             # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
             if problem := self._agreed_problem(self._check(path)):
                 self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
+                failed.append(f"{path.name} {problem}")
                 continue
             trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
             metadata = Reader(path).read_metadata()
-            if (mismatch := _model_mismatch(_model_shapes_of(parts), _model_shapes(metadata))) is not None:
-                raise ConfigError(f"checkpoint {path} does not match the model of this run"
-                                  f"{_task_diff(self.cfg, trainer)}: {mismatch}")
+            # A checkpoint of another model or optimizer is no damage to fall back from: the same config
+            # meets the same mismatch in every checkpoint of the run. It is named, and nothing is trained.
+            for part, section in (("model", "task"), ("optimizer", "optim")):
+                if (mismatch := _mismatch(expected[part], _shapes(metadata, part))) is not None:
+                    raise ConfigError(f"checkpoint {path} does not match the {part} of this run"
+                                      f"{_config_diff(self.cfg, trainer, section)}: {mismatch}; relaunch with "
+                                      f"the {section}.* settings it was trained with, or start afresh with a new "
+                                      f"run.name")
             if problem := self._agreed_problem(self._load_tensors(parts, path, trainer)):
                 self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
+                failed.append(f"{path.name} {problem}")
                 continue
             self._load(parts, trainer, path, time.perf_counter() - t)
             self.resumed_from = path
@@ -845,7 +870,15 @@ class Checkpointer:
                 self._set_aside_after(parts.step)
             return True
         if self.cfg.resume not in ("auto", "never"):
-            raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}")
+            raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}"
+                              + (f" ({failed[0]})" if failed else ""))
+        if failed:  # resume=auto: the run has checkpoints and none loads. Training from step 0 would lose them.
+            more = f" (and {len(failed) - 1} more that do not load either)" if len(failed) > 1 else ""
+            raise ConfigError(f"resume=auto: no checkpoint of this run loads: {failed[0]}{more}. Nothing was "
+                              f"trained and every checkpoint is left as it is: fix what changed since they were "
+                              f"written (the Python or torch version, the config, a run directory that every "
+                              f"node must share), resume from another with resume=PATH, or start afresh with a "
+                              f"new run.name")
         return False
 
     def _check(self, path: Path) -> str | None:
@@ -953,10 +986,6 @@ class Checkpointer:
                              f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
         self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
                       f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")
-
-
-def _model_shapes_of(parts) -> dict:
-    return {k: tuple(v.shape) for k, v in get_model_state_dict(parts.raw).items()}
 
 
 # ---------------------------------------------------------------- checkpoints of format 1
