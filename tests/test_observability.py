@@ -101,9 +101,10 @@ def test_offline_wandb_records_under_the_run_dir_and_a_resume_continues_the_same
     run_dir = tmp_path / "run"
     wb = ["log.wandb.mode=offline", "log.wandb.project=obs-test", "log.wandb.tags=alpha, beta",
           "log.wandb.group=g1", "run.name=obs"]
-    # A key but no reachable server: the run warns once and records offline instead.
-    env = obs_env(tmp_path, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="3")
-    first = run_train(run_dir, *wb, "log.wandb.mode=online", "train.steps=3", env=env)
+    # A key but no reachable server: the run warns once and records offline instead, before the other rank,
+    # waiting in its next collective, reaches a short dist.timeout_s (W&B's own init timeout is 90 s).
+    env = obs_env(tmp_path, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
+    first = run_train(run_dir, *wb, "log.wandb.mode=online", "train.steps=3", "dist.timeout_s=20", nproc=2, env=env)
     assert "wandb online did not start" in first.stdout and "recording offline instead" in first.stdout
     (piece1,) = offline_runs(run_dir)
     run_id = latest_state(run_dir)["tracker"]["run_id"]

@@ -394,6 +394,10 @@ class Tracker:
             log.warning("log.wandb.mode is not disabled but wandb is not installed: pip install -r requirements.txt")
             return None
         settings = wandb.Settings(console="off", silent=True, allow_val_change=True)
+        if w.mode == "online":  # meanwhile the other ranks wait in their next collective, up to dist.timeout_s:
+            # an unreachable server must send this rank offline before they give up on it
+            wanted = float(os.environ.get("WANDB_INIT_TIMEOUT") or wandb.Settings().init_timeout)
+            settings.init_timeout = min(wanted, cfg.dist.timeout_s / 3)
         kwargs = dict(project=w.project, entity=w.entity or None, group=w.group or None,
                       tags=wandb_tags(w) or None, name=cfg.run.name, id=run_id, resume="allow",
                       dir=str(cfg.run_dir), config=to_dict(cfg), settings=settings)
