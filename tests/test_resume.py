@@ -430,3 +430,35 @@ def test_a_resume_after_its_steps_evaluation_was_logged_does_not_evaluate_it_aga
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout, proc.stdout
     assert [m["step"] for m in metrics(tmp_path) if "eval_loss" in m] == [2, 4, 6]
     assert sorted(train_losses(tmp_path)) == list(range(1, 7))
+
+
+NO_COUNT_TASK = """
+from train.tasks.image import ImageClassification
+
+class NoCount(ImageClassification):
+    def eval_step(self, model, batch):  # a usage error, found at the first evaluation
+        return {k: v for k, v in super().eval_step(model, batch).items() if k != "count"}
+"""
+
+
+def test_an_async_save_that_fails_while_the_run_ends_on_another_error_is_one_more_line(tmp_path):
+    """The run's own error (here a task's usage error at the evaluation right after a save) and the failure of
+    the save still in flight (a real write error, RLIMIT_FSIZE): each is one line, no traceback, and the
+    teardown still runs: the W&B run is closed with its exit code."""
+    from tests.test_observability import obs_env, offline_runs, wandb_records
+
+    (tmp_path / "no_count.py").write_text(NO_COUNT_TASK)
+    cmd = train_cmd(tmp_path / "run", f"task.name={tmp_path / 'no_count.py'}:NoCount", "train.steps=4",
+                    "checkpoint.every=2", "checkpoint.async=true", "train.eval_every=2", "log.wandb.mode=offline")
+    limit = 10 << 20  # the DCP file is ~45 MiB; the logs stay far below
+    proc = subprocess.run(cmd, cwd=ROOT, env=obs_env(tmp_path), capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 2, errors
+    assert 'eval_step() must return a "count"' in proc.stderr
+    assert "a checkpoint could not be written; the ones before it are intact" in proc.stderr
+    (piece,) = offline_runs(tmp_path / "run")
+    exits = [r.exit for r in wandb_records(next(piece.glob("*.wandb"))) if r.WhichOneof("record_type") == "exit"]
+    assert [e.exit_code for e in exits] == [1], exits

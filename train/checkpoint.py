@@ -169,21 +169,28 @@ class _ChecksummedFiles(FileSystem):
     def __init__(self):
         super().__init__()
         self.crcs: dict[str, dict] = {}
+        self.failed: OSError | None = None  # the first write that failed (a full disk): _write raises it
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         path = Path(path)
-        with path.open(mode) as f:
-            if mode != "wb" or path.suffix != ".distcp":
+        if mode != "wb" or path.suffix != ".distcp":
+            with path.open(mode) as f:
                 yield f
-                return
-            w = _CrcWriter(f)
-            try:
+            return
+        try:
+            with path.open(mode) as f:
+                w = _CrcWriter(f)
                 yield w
-            except RuntimeError as e:  # torch.save's writer reports a failed write (a full disk) as "unexpected
-                if isinstance(e.__context__, OSError):  # pos": the OSError it met is the one to name
-                    raise e.__context__ from None
+        except (OSError, RuntimeError) as e:
+            # torch.save's writer reports a failed write as "unexpected pos": the OSError it met is the one to
+            # name. Kept, not raised: in DCP's extra writer threads it would be an uncaught exception (a
+            # traceback on stderr, and the other files' results without it); _write raises it on every rank.
+            error = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(error, OSError):
                 raise
+            self.failed = self.failed or error
+            return
         self.crcs[path.name] = {"bytes": w.bytes, "crc32": w.crc}
 
 
@@ -640,7 +647,7 @@ class Checkpointer:
         else:
             upload = lambda: dcp.save(tensors, storage_writer=writer, planner=_planner(),  # noqa: E731
                                       process_group=self._group)
-            self._write(upload, tmp, parts.step, trainer, mine, writer.fs.crcs)
+            self._write(upload, tmp, parts.step, trainer, mine, writer.fs)
             self._raise_pending_error()
 
     def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
@@ -668,7 +675,7 @@ class Checkpointer:
                                         process_group=self._group, async_checkpointer_type=ASYNC_TYPE)
             finally:
                 staged.set_result(None)
-            self._write(upload.result, tmp, step, trainer, mine, writer.fs.crcs)
+            self._write(upload.result, tmp, step, trainer, mine, writer.fs)
         except BaseException as e:  # reported by the training thread at the next save or at exit
             self._error = e
         finally:
@@ -721,7 +728,7 @@ class Checkpointer:
         dist.barrier()
         return step
 
-    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, mine: dict, crcs: dict) -> None:
+    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, mine: dict, fs: _ChecksummedFiles) -> None:
         """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then its RNG states and
         loss window (`mine`) and the CRC-32s of its files to rank 0, which writes the rest (trainer.pt), the
         manifest and `latest` (_publish). In checkpoint.async's thread, off the training thread's time."""
@@ -731,17 +738,19 @@ class Checkpointer:
             ranks = [None] * self.world_size
             dist.all_gather_object(ranks, mine, group=self._group)
             try:
+                if fs.failed is not None:
+                    raise fs.failed
                 if self.rank == 0:
                     trainer["rng"] = [r["rng"] for r in ranks]
                     trainer["window"] = [r["window"] for r in ranks]  # each rank's loss since the last log step
                     _write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
-                own = _own_files(tmp, self.rank, crcs)
+                own = _own_files(tmp, self.rank, fs.crcs)
             except OSError as e:  # still sent: no rank waits alone in the gather
-                own = f"rank {self.rank}: {e}"
+                own = e
             files = [None] * self.world_size
             dist.all_gather_object(files, own, group=self._group)
-            if failed := [f for f in files if isinstance(f, str)]:
-                raise OSError(failed[0])
+            if failed := [f for f in files if isinstance(f, OSError)]:
+                raise failed[0]
             if self.rank == 0:
                 extra = {"world_size": self.world_size} | ({"rollback": self.rollback} if self.rollback else {})
                 path = _publish(self.dir, tmp, step, {k: v for f in files for k, v in f.items()}, extra)

@@ -261,6 +261,10 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
                  window_loss=torch.zeros((), device=device))
 
 
+SAVE_FAILED = ("a checkpoint could not be written; the ones before it are intact: make room (or fix the folder), "
+               "then relaunch the same command, which resumes from the latest")
+
+
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
     """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code;
     a usage error (ConfigError: data, devices, checkpoints, tracker) is raised to the entry point."""
@@ -308,8 +312,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
     except Exception as e:  # a usage error (ConfigError) goes on to the entry point
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None and isinstance(e, SaveError):
-            reason = ("a checkpoint could not be written; the ones before it are intact: make room (or fix the "
-                      "folder), then relaunch the same command, which resumes from the latest")
+            reason = SAVE_FAILED
         if reason is None:
             raise
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
@@ -319,7 +322,11 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         return 1
     finally:
         if ckpt is not None:
-            ckpt.wait()  # an asynchronous save in flight is finished, never abandoned
+            try:
+                ckpt.wait()  # an asynchronous save in flight is finished, never abandoned
+            except SaveError as e:  # the run is already ending on an error of its own: both are told, and the
+                print(f"[rank {denv.rank}] error: {SAVE_FAILED} ({type(e).__name__}: "  # teardown goes on
+                      f"{str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
         if meter is not None and (trace := meter.close()) is not None:
             parts.log.info(trace)
         if parts is not None:
