@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test lint bench clean-runs
+.PHONY: venv dev train-local test test-python lint bench clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 $(VENV)/.deps: requirements.txt
@@ -34,6 +34,13 @@ train-local: venv
 # the tests that wait on deadlines overlap the ones that compute. tests/conftest.py orders the files.
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The checkpoint and resume tests under another Python the README names (CI: 3.13; a checkpoint's pickled
+# classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
+OTHER_PYTHON ?= python3.13
+OTHER_TESTS ?= tests/test_resume.py tests/test_checkpoint_format.py
+test-python:
+	$(MAKE) test PYTHON=$(OTHER_PYTHON) VENV=.venv-$(notdir $(OTHER_PYTHON)) PYTEST_ARGS="$(OTHER_TESTS)"
 
 lint: dev
 	$(VENV)/bin/ruff check train tests bench examples
