@@ -261,7 +261,7 @@ def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_pa
     """Round 1 trained (its STARTED marker) and crashed; round 2's workers are still starting (held there)
     when the launcher is stopped: nothing was trained since the last checkpoint, so 75, not 1 (`raise
     STOP_TIMEOUT`, read from round 1's marker)."""
-    env = after_import(tmp_path, "train.trainer", "import os, time\n"
+    env = after_import(tmp_path, "train", "import os, time\n"  # before any line of train/__main__.py
                        "if os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n"
                        "    time.sleep(300)  # round 2 never gets past its start-up")
     run_dir = tmp_path / "run"
@@ -270,3 +270,39 @@ def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_pa
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     assert "before the workers began training" in err.strip().splitlines()[-1], err[-3000:]
+
+
+# ---------------------------------------------------------------- restart loops
+
+def test_launches_in_a_row_that_fail_without_advancing_the_step_end_in_exit_2(tmp_path):
+    """A worker that crashes at its start (a bad node, a data file) would be requeued or recreated for ever:
+    the launch that makes MAX_FAILED_LAUNCHES in a row, all from the same checkpoint step, exits 2 with one
+    line naming the step and the last failure. A launch that advanced the step, even one that then failed,
+    starts the count again."""
+    env = after_import(tmp_path, "train.checkpoint", """
+import os
+if os.environ.get("CRASH") == "start" and "RANK" in os.environ:  # a worker, not the launcher
+    raise RuntimeError("a worker that crashes at its start")
+if os.environ.get("CRASH") == "end":
+    def finished(self, step):
+        raise RuntimeError("a crash after the last save")
+    module.Checkpointer.mark_finished = finished
+""")
+    run_dir = tmp_path / "run"
+
+    def relaunch(crash: str, steps: int) -> tuple[int, str]:
+        proc = launch(run_dir, f"train.steps={steps}", launcher=("--nproc-per-node=1",),
+                      env=env | {"CRASH": crash, "MAX_FAILED_LAUNCHES": "2"})
+        rc, out, err = finish(proc)
+        return rc, err.strip().splitlines()[-1]
+
+    assert relaunch("start", 2)[0] == 1  # the first at step 0
+    assert relaunch("end", 2)[0] == 1  # it trained to a checkpoint at step 2 before it failed: not counted
+    assert latest_state(run_dir)["step"] == 2
+    rc, first = relaunch("start", 4)
+    assert rc == 1 and first.startswith("error: rank 0 on "), first
+    rc, last = relaunch("start", 4)
+    assert rc == 2, last
+    assert last == (f"error: 2 launches in a row failed without advancing the checkpoint past step 2 (the last: "
+                    f"{first.removeprefix('error: ')}): not retried (exit 2); fix the cause and relaunch, or raise "
+                    f"--max-failed-launches (MAX_FAILED_LAUNCHES)"), last
