@@ -13,7 +13,9 @@ One signal handler, installed first thing in main(), serves the launcher's whole
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
 ("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
 training began (nothing was trained since the last checkpoint). The workers tell each node's launcher
-how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks.
+how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks,
+and judged by torchrun's round that ended (_verdict). A rendezvous host still down at the join timeout is 75
+(nothing trained); --max-failed-launches launches in a row that fail at one checkpoint step end in 2 (History).
 The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
