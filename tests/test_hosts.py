@@ -62,15 +62,23 @@ def test_a_node_started_before_the_rendezvous_host_waits_for_its_name_and_port_t
 
 
 def test_a_rendezvous_host_that_never_comes_ends_at_the_join_timeout_in_one_line(make_hosts, tmp_path):
+    """Nothing was trained: the requeue code (a PyTorchJob recreates the pod rather than fail the job), and
+    MAX_FAILED_LAUNCHES such launches in a row are a usage error (2)."""
     (lonely,) = make_hosts("lonely")
-    proc = lonely.popen(node(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=nowhere:29400",
-                             "--rdzv-conf=join_timeout=3"), clean_env(), tmp_path / "log")
-    rc, log = wait(proc, tmp_path / "log", 60)
-    assert rc == 1, log
+    env = clean_env(REQUEUE_EXIT_CODE="143", MAX_FAILED_LAUNCHES="2")
+    for expected in (143, 2):
+        proc = lonely.popen(node(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=nowhere:29400",
+                                 "--rdzv-conf=join_timeout=3"), env, tmp_path / "log")
+        rc, log = wait(proc, tmp_path / "log", 60)
+        assert rc == expected, log
+    lines = log.strip().splitlines()
     assert re.fullmatch(  # the resolver's words depend on the host's DNS set-up
-        r"error: the rendezvous host is not up after 3 s: nowhere does not resolve yet \([^)]+\); start the first "
-        r"node, check that its name resolves here and the port is open between nodes, or raise --rdzv-conf "
-        r"join_timeout=SECONDS", log.strip().splitlines()[-1]), log
+        r"launch: the rendezvous host is not up after 3 s: nowhere does not resolve yet \([^)]+\); nothing was "
+        r"trained, so a retry loses nothing \(exit 75\); if it stays down, start the first node, check that its "
+        r"name resolves here and the port is open between nodes, or raise --rdzv-conf join_timeout=SECONDS",
+        lines[-2]), log
+    assert lines[-1].startswith("error: 2 launches in a row failed without advancing the checkpoint past step 0 "
+                                "(the last: the rendezvous host is not up after 3 s: "), log
     assert "Traceback" not in log
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY, ROOT, TINY, clean_env, copy_run, latest_state, summary
+from tests.conftest import PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
 from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
@@ -220,3 +220,89 @@ def test_ctrl_c_to_make_train_local_s_whole_foreground_group_checkpoints(tmp_pat
     marker = json.loads((tmp_path / "STOPPED").read_text())
     assert marker["step"] == latest_state(tmp_path)["step"] >= 2
     assert "Traceback" not in err, err[-3000:]
+
+
+# ---------------------------------------------------------------- torchrun's rounds: each ending by its own round
+
+def _round_two(proc, first: dict[int, int]) -> dict[int, int]:
+    """The workers of torchrun's second round: both ranks, none of them the first round's."""
+    def restarted():
+        found = workers(proc.pid)
+        return found if len(found) == 2 and not set(found.values()) & set(first.values()) else None
+
+    return wait_for(restarted, 120, "the restarted workers")
+
+
+def _round_one(run_dir, sig: signal.Signals, *overrides, env=None):
+    """Round 1 trains to step 2 and gets `sig` on rank 1 alone (one node's kubelet, one srun task; SIGKILL: a
+    crash), then torchrun restarts the group (--max-restarts=1). Returns the launch and round 2's workers."""
+    proc = launch(run_dir, "train.steps=400", *overrides, launcher=("--nproc-per-node=2", "--max-restarts=1"),
+                  env=env)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
+    first = workers(proc.pid)
+    os.kill(first[1], sig)
+    return proc, _round_two(proc, first)
+
+
+def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_path):
+    """Round 1 stopped on one rank's SIGTERM and saved (exit 75, which torchrun restarts as a failure); round
+    2 trains past it and crashes with no restart left: the steps since are lost, so the launcher says the
+    crash (1), not round 1's stop (75: the scheduler would requeue it for ever without counting)."""
+    proc, second = _round_one(tmp_path, signal.SIGTERM)
+    stopped = json.loads((tmp_path / "STOPPED").read_text())["step"]
+    wait_for(lambda: logged_steps(tmp_path).count(stopped + 2) == 1, 120, "a step of round 2")
+    os.kill(second[1], signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 on "), err[-3000:]
+
+
+def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_path):
+    """Round 1 trained (its STARTED marker) and crashed; round 2's workers are still starting (held there)
+    when the launcher is stopped: nothing was trained since the last checkpoint, so 75, not 1 (`raise
+    STOP_TIMEOUT`, read from round 1's marker)."""
+    env = after_import(tmp_path, "train", "import os, time\n"  # before any line of train/__main__.py
+                       "if os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n"
+                       "    time.sleep(300)  # round 2 never gets past its start-up")
+    run_dir = tmp_path / "run"
+    proc, second = _round_one(run_dir, signal.SIGKILL, "checkpoint.every=1", env=env)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    assert "before the workers began training" in err.strip().splitlines()[-1], err[-3000:]
+
+
+# ---------------------------------------------------------------- restart loops
+
+def test_launches_in_a_row_that_fail_without_advancing_the_step_end_in_exit_2(tmp_path):
+    """A worker that crashes at its start (a bad node, a data file) would be requeued or recreated for ever:
+    the launch that makes MAX_FAILED_LAUNCHES in a row, all from the same checkpoint step, exits 2 with one
+    line naming the step and the last failure. A launch that advanced the step, even one that then failed,
+    starts the count again."""
+    env = after_import(tmp_path, "train.checkpoint", """
+import os
+if os.environ.get("CRASH") == "start" and "RANK" in os.environ:  # a worker, not the launcher
+    raise RuntimeError("a worker that crashes at its start")
+if os.environ.get("CRASH") == "end":
+    def finished(self, step):
+        raise RuntimeError("a crash after the last save")
+    module.Checkpointer.mark_finished = finished
+""")
+    run_dir = tmp_path / "run"
+
+    def relaunch(crash: str, steps: int) -> tuple[int, str]:
+        proc = launch(run_dir, f"train.steps={steps}", launcher=("--nproc-per-node=1",),
+                      env=env | {"CRASH": crash, "MAX_FAILED_LAUNCHES": "2"})
+        rc, out, err = finish(proc)
+        return rc, err.strip().splitlines()[-1]
+
+    assert relaunch("start", 2)[0] == 1  # the first at step 0
+    assert relaunch("end", 2)[0] == 1  # it trained to a checkpoint at step 2 before it failed: not counted
+    assert latest_state(run_dir)["step"] == 2
+    rc, first = relaunch("start", 4)
+    assert rc == 1 and first.startswith("error: rank 0 on "), first
+    rc, last = relaunch("start", 4)
+    assert rc == 2, last
+    assert last == (f"error: 2 launches in a row failed without advancing the checkpoint past step 2 (the last: "
+                    f"{first.removeprefix('error: ')}): not retried (exit 2); fix the cause and relaunch, or raise "
+                    f"--max-failed-launches (MAX_FAILED_LAUNCHES)"), last

@@ -52,6 +52,20 @@ def _mark_usage_error(run_dir: Path, error: str) -> None:
     time.sleep(USAGE_WAIT_S)
 
 
+def _forget_earlier_rounds(run_dir: Path) -> None:
+    """Under the launcher, a round torchrun restarted starts without the markers of the rounds before it:
+    the launcher judges its end by the round that ended (a STOPPED or STARTED of the round before would
+    make a crash a requeue, or a stop during this round's start-up a failure). Each node's first local rank
+    clears its launch's, first thing (the markers of that node are its to write)."""
+    if not os.environ.get(LAUNCH_ID_VAR) or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    for name in ("STARTED", "STOPPED", "FINISHED"):
+        try:
+            (run_dir / ".launch" / f"{os.environ[LAUNCH_ID_VAR]}.{name}").unlink(missing_ok=True)
+        except OSError:
+            pass  # the launcher also matches each marker's round with the workers it saw
+
+
 def main(argv: list[str] | None = None) -> int:
     """Usage errors, whether found in the config or by the trainer (data, devices, checkpoints, tracker),
     end here: one line, exit 2, and under the launcher a marker so that torchrun does not retry them."""
@@ -59,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = denv = None
     try:
         cfg = config.load(args.config, args.overrides)
+        _forget_earlier_rounds(cfg.run_dir)
         from train import distributed  # imports torch: only once the config is known to be good
 
         denv = distributed.detect()

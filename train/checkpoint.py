@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.tensor import DTensor
 
 from train.config import Config, ConfigError, OneLineParser, UsageError, to_dict
-from train.distributed import launch_id, sync_buffers
+from train.distributed import launch_id, launch_round, sync_buffers
 
 FORMAT = 2
 NAME = re.compile(r"^step_(\d{8})$")  # a checkpoint folder
@@ -410,7 +410,8 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def write_launch_marker(run_dir: Path, name: str, marker: dict) -> None:
     """<run_dir>/.launch/<launch id>.<name>: what the workers tell the launcher of one node (train/launch.py
-    reads it and removes it)."""
+    reads it and removes it). `round` is torchrun's round of the writer (launch_round): the launcher judges
+    an ending by the markers of the round that ended."""
     folder = run_dir / ".launch"
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(folder / f"{marker['launch_id']}.{name}", lambda f: f.write(json.dumps(marker).encode()))
@@ -584,7 +585,7 @@ class Checkpointer:
         """A marker in the run directory: `name` for the user (rank 0), and for each node's launcher
         (train/launch.py) one under .launch/ named by the id of its launch (each node's launcher has its own):
         every node's first local rank writes its own."""
-        marker = {"step": step, "time": time.time(), "launch_id": launch_id()} | fields
+        marker = {"step": step, "time": time.time(), "launch_id": launch_id(), "round": launch_round()} | fields
         if self.rank == 0:
             _write_atomic(self.cfg.run_dir / name, lambda f: f.write(json.dumps(marker).encode()))
         if launch_id() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -602,7 +603,8 @@ class Checkpointer:
     def mark_finished(self, step: int) -> None:
         """Tell the launcher the run is complete (summary.json written). Every rank calls it."""
         if launch_id() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            write_launch_marker(self.cfg.run_dir, "FINISHED", {"step": step, "launch_id": launch_id()})
+            write_launch_marker(self.cfg.run_dir, "FINISHED", {"step": step, "launch_id": launch_id(),
+                                                               "round": launch_round()})
 
     # ---- saving
     def due(self, step: int) -> bool:

@@ -299,6 +299,13 @@ def launch_id() -> str | None:
     return os.environ.get(LAUNCH_ID_VAR) or None
 
 
+def launch_round() -> int:
+    """torchrun's round of this worker: TORCHELASTIC_RESTART_COUNT, the restarts torchrun made after a failure
+    (torch 2.14's agent; a restart for a membership change keeps it); 0 outside torchrun."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else 0
+
+
 def hostname() -> str:
     return socket.gethostname()
 

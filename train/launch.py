@@ -13,7 +13,9 @@ One signal handler, installed first thing in main(), serves the launcher's whole
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
 ("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
 training began (nothing was trained since the last checkpoint). The workers tell each node's launcher
-how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks.
+how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks,
+and judged by torchrun's round that ended (_verdict). A rendezvous host still down at the join timeout is 75
+(nothing trained); --max-failed-launches launches in a row that fail at one checkpoint step end in 2 (History).
 The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
@@ -71,6 +73,8 @@ OPTIONS = {
     "max_restarts": (("MAX_RESTARTS", "PET_MAX_RESTARTS"), "0"),
     # torchrun's --shutdown-timeout: it reads PET_SHUTDOWN_TIMEOUT and TORCH_ELASTIC_SHUTDOWN_TIMEOUT too
     "stop_timeout": (("STOP_TIMEOUT", "PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "30"),
+    # launches in a row that fail without advancing the checkpoint step, after which the launcher exits 2
+    "max_failed_launches": (("MAX_FAILED_LAUNCHES",), "3"),
 }
 
 # The last line of a torchrun traceback that the launcher's one line explains: the traceback is not shown.
@@ -112,6 +116,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--stop-timeout", help="stop budget, seconds: after a stop signal the workers finish their "
                    "step and save within it, or are killed (default 30; keep it below the scheduler's grace "
                    "period)")
+    p.add_argument("--max-failed-launches", help="after this many launches in a row that fail without advancing "
+                   "the checkpoint step (a bad node, data that crashes a worker), exit 2 instead of 1 or 75 so "
+                   "that the scheduler stops retrying (default 3; 0: never)")
     p.add_argument("--doctor", action="store_true", default=None,
                    help="run the preflight doctor on the same world first (also LAUNCH_DOCTOR=1)")
     p.add_argument("--debug", action="store_true", default=None,
@@ -161,6 +168,9 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
         raise ConfigError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {nnodes!r}")
     if not str(opts["max_restarts"]).isdigit():
         raise ConfigError(f"--max-restarts must be a number >= 0, got {opts['max_restarts']!r}")
+    if not str(opts.get("max_failed_launches", "0")).isdigit():
+        raise ConfigError(f"--max-failed-launches (MAX_FAILED_LAUNCHES) must be a number >= 0 (0: never stop), "
+                          f"got {opts['max_failed_launches']!r}")
     if not str(opts["stop_timeout"]).isdigit() or int(opts["stop_timeout"]) < 1:
         raise ConfigError(f"--stop-timeout (STOP_TIMEOUT) must be a whole number of seconds >= 1, "
                           f"got {opts['stop_timeout']!r}")
@@ -314,6 +324,19 @@ class _Stopped(Exception):
     pass
 
 
+class _NotUp(RuntimeError):
+    """The rendezvous host did not come up within the join timeout: nothing was trained (exit 75)."""
+
+
+_SAID: list[str] = []  # the launcher's last line of this launch (the restart-loop check quotes it)
+
+
+def _say(line: str) -> None:
+    """The launcher's last line (one of them), on stderr."""
+    _SAID[:] = [line]
+    print(line, file=sys.stderr, flush=True)
+
+
 class Signals:
     """The launcher's one handler for stop signals, from the first line of main() to its exit. It records
     each signal; the first one is passed on to the running torchrun (the doctor's or the training's) as
@@ -324,6 +347,8 @@ class Signals:
         self.child: subprocess.Popen | None = None
         self.forwarded = False
         self.workers: set[int] = set()  # the training processes, known when the stop came
+        self.round: int | None = None  # torchrun's round of those workers (None: none ran when the stop came)
+        self.last_round = 0  # the highest round of workers seen so far (see() and the stop)
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -343,6 +368,7 @@ class Signals:
         if self.received and not self.forwarded and self.child is not None and self.child.poll() is None:
             self.forwarded = True
             self.workers.update(_children(self.child.pid))  # known now, in case torchrun ends before they do
+            self.round = _round_of(self.workers)
             self.child.send_signal(signal.SIGTERM)
 
     def run(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -350,6 +376,11 @@ class Signals:
         self.child = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
         self._forward()
         return self.child
+
+    def see(self) -> None:
+        """Note the round of torchrun's workers running now (polled while torchrun runs)."""
+        if self.child is not None and (r := _round_of(_children(self.child.pid))) is not None:
+            self.last_round = max(self.last_round, r)
 
     def check(self) -> None:
         """Raise _Stopped if a stop came (between the steps of the launcher's own work)."""
@@ -375,9 +406,10 @@ def wait_for_rendezvous(opts: dict[str, str | None], signals: Signals, poll_s: f
         if kind != NOT_YET:
             break
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"the rendezvous host is not up after {timeout:g} s: {what}; start the first node, "
-                               "check that its name resolves here and the port is open between nodes, or raise "
-                               "--rdzv-conf join_timeout=SECONDS")
+            raise _NotUp(f"the rendezvous host is not up after {timeout:g} s: {what}; nothing was trained, so a "
+                         f"retry loses nothing (exit {EXIT_REQUEUE}); if it stays down, start the first node, check "
+                         "that its name resolves here and the port is open between nodes, or raise --rdzv-conf "
+                         "join_timeout=SECONDS")
         if what != said:
             print(f"launch: waiting up to {timeout:g} s for the rendezvous host: {what}", file=sys.stderr, flush=True)
             said = what
@@ -463,12 +495,26 @@ def _main(argv: list[str] | None) -> int:
     if args.dry_run:
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
+    history = History(cfg.run_dir, opts)
+    try:
+        rc = _launch(args, opts, cmd, cfg, train_args, signals)
+    except _NotUp as e:  # nothing was trained: the job should be retried (PyTorchJob: 143, recreated), a few times
+        _say(f"launch: {e}")
+        return history.end(EXIT_REQUEUE, failed=True)
+    return history.end(rc, failed=rc == 1)
+
+
+def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str], cfg: config.Config,
+            train_args: list[str], signals: Signals) -> int:
+    """Wait for the rendezvous host, run the doctor if asked, then the training's torchrun: the exit code."""
     try:
         if opts["rdzv_endpoint"]:
             try:
                 opts = wait_for_rendezvous(opts, signals)
+            except _NotUp:
+                raise
             except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
+                _say(f"error: {e}")
                 return 1
             cmd = torchrun_command(opts, train_args)
         debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
@@ -486,9 +532,69 @@ def _main(argv: list[str] | None) -> int:
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return _run(cmd, opts, cfg, signals, debug=debug)
     except _Stopped as e:
-        print(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
-              f"relaunch to continue (exit {EXIT_REQUEUE})", file=sys.stderr)
+        _say(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
+             f"relaunch to continue (exit {EXIT_REQUEUE})")
         return EXIT_REQUEUE
+
+
+class History:
+    """Restart loops: a job whose every launch fails before its checkpoint step advances (a bad node, a data
+    file that crashes a worker, a rendezvous host that never comes up) would be requeued or recreated for
+    ever. Each node's launcher keeps, in <run_dir>/.launch/history[.<node>].json (written atomically), the
+    step its launches started from and how many in a row failed there; the launch that makes it
+    --max-failed-launches ends with exit 2 (the scheduler stops retrying) and one line naming the step and
+    its last failure. A launch that advances the step or finishes starts the count again; a stop (a
+    preemption) neither counts nor resets it; after the exit 2 the count starts again, for the relaunch by
+    hand."""
+
+    def __init__(self, run_dir: Path, opts: dict[str, str | None]) -> None:
+        self.limit = int(opts.get("max_failed_launches") or 0)
+        node = "" if opts["nnodes"] == "1" else "." + re.sub(r"[^\w.-]", "_", opts["node_rank"] or socket.gethostname())
+        self.path = run_dir / ".launch" / f"history{node}.json"
+        self.checkpoints = run_dir / "checkpoints"
+        self.start = self._step()
+
+    def _step(self) -> int:
+        from train.checkpoint import NAME, complete_checkpoints  # imports torch, as torchrun does anyway
+
+        found = complete_checkpoints(self.checkpoints)
+        return int(NAME.match(found[0].name).group(1)) if found else 0
+
+    def _read(self) -> dict:
+        try:
+            found = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def _write(self, record: dict | None) -> None:
+        with contextlib.suppress(OSError):  # the count is a safeguard: a run directory that refuses it still runs
+            if record is None:
+                self.path.unlink(missing_ok=True)
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+
+    def end(self, rc: int, failed: bool) -> int:
+        """The launcher's exit code, rc or 2 for a restart loop; updates the history."""
+        if rc == 0 or self._step() > self.start:
+            self._write(None)
+            return rc
+        if not failed:
+            return rc
+        before = self._read()
+        count = before.get("failed", 0) + 1 if before.get("step") == self.start else 1
+        last = _SAID[0] if _SAID else f"exit {rc}"
+        if self.limit and count >= self.limit:
+            self._write(None)
+            _say(f"error: {count} launches in a row failed without advancing the checkpoint past step {self.start} "
+                 f"(the last: {last.removeprefix('error: ').removeprefix('launch: ')}): not retried (exit "
+                 f"{EXIT_USAGE}); fix the cause and relaunch, or raise --max-failed-launches (MAX_FAILED_LAUNCHES)")
+            return EXIT_USAGE
+        self._write({"step": self.start, "failed": count, "last": last, "time": time.time()})
+        return rc
 
 
 def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:
@@ -523,6 +629,19 @@ def _children(pid: int) -> set[int]:
         except (OSError, ValueError):
             pass
     return found
+
+
+def _round_of(pids: set[int]) -> int | None:
+    """torchrun's round of these workers (their TORCHELASTIC_RESTART_COUNT, from /proc), None if none is read.
+    torch 2.14's agent counts its restarts after a failure there; the workers' markers carry it."""
+    rounds = set()
+    for pid in pids:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rounds |= {int(v[27:]) for v in env if v.startswith(b"TORCHELASTIC_RESTART_COUNT=") and v[27:].isdigit()}
+    return max(rounds) if rounds else None
 
 
 def _alive(pid: int) -> bool:
@@ -594,6 +713,7 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
     while (rc := _wait(proc, 0.5)) is None:
+        signals.see()
         if not usage and not stop and (marker := _marker(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
             usage.append(marker.get("error", "a usage error"))
             proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries
@@ -614,37 +734,41 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
 
 def _verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budget: int, usage: list[str],
              tail: list[str], opts: dict[str, str | None], failure: str | None) -> int:
-    """The launcher's exit code for how torchrun ended, and its last line."""
+    """The launcher's exit code for how torchrun ended, and its last line. torchrun's restarts (--max-restarts)
+    keep the launch's id: a STOPPED or STARTED marker counts only if the round that ended wrote it, the round
+    running when the stop came, else the last one torchrun ran (whose workers cleared the markers of the
+    rounds before it, train/__main__.py)."""
     stop = signals.received
     if rc == 0:
         return 0
     if usage:
-        print(f"error: {usage[0]} (found by the workers; not retried)", file=sys.stderr)
+        _say(f"error: {usage[0]} (found by the workers; not retried)")
         return EXIT_USAGE
     if failure is not None and stop:
         raise _Stopped(signals.name)  # the doctor trains nothing
     if stop and _marker(cfg.run_dir, "FINISHED", launch_id) is not None:
-        print("launch: the run finished before the stop took effect (exit 0)", file=sys.stderr)
+        _say("launch: the run finished before the stop took effect (exit 0)")
         return 0
-    if (stopped := _marker(cfg.run_dir, "STOPPED", launch_id)) is not None:
+    markers = {name: _marker(cfg.run_dir, name, launch_id) for name in ("STARTED", "STOPPED")}
+    ended = signals.round if stop else max([signals.last_round, *(m.get("round", 0) for m in markers.values() if m)])
+    started, stopped = (m if m is not None and m.get("round", 0) == ended else None for m in markers.values())
+    if stopped is not None:
         name = signals.name if stop else stopped.get("signal") or "a peer rank signal"
-        print(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue "
-              f"(exit {EXIT_REQUEUE})", file=sys.stderr)
+        _say(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})")
         return EXIT_REQUEUE
-    if stop and _marker(cfg.run_dir, "STARTED", launch_id) is None:
-        print(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
-              f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})",
-              file=sys.stderr)
+    if stop and started is None:
+        _say(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
+             f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})")
         return EXIT_REQUEUE
     if stop:
-        print(f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
-              f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
-              f"plus one checkpoint save plus a margin), and the scheduler's grace period above it", file=sys.stderr)
+        _say(f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
+             f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
+             f"plus one checkpoint save plus a margin), and the scheduler's grace period above it")
         return 1
     if failure is None and (hang := _marker(cfg.run_dir, "HANG", launch_id)) is not None:
-        print(f"error: {hang.get('error', 'a collective timed out')}", file=sys.stderr)  # train/hang.py's line
+        _say(f"error: {hang.get('error', 'a collective timed out')}")  # train/hang.py's line
         return 1
-    print(failure or f"error: {explain(''.join(tail), opts)}", file=sys.stderr)
+    _say(failure or f"error: {explain(''.join(tail), opts)}")
     return 1
 
 
