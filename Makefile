@@ -14,7 +14,11 @@ TEST_WORKERS ?= 2
 .PHONY: venv dev train-local test test-python lint bench clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
+# Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
+# support ended in October 2026.
 $(VENV)/.deps: requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "error: $(PYTHON) is \
+	not Python 3.11 or newer ($$($(PYTHON) --version 2>&1)): run with PYTHON=python3.11 (or 3.12, 3.13)" >&2; exit 2; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	@touch $@
