@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tests.conftest import run_train, summary
+from tests.conftest import copy_run, run_train, summary
 from train import config, data
 from train.tasks import image
 
@@ -102,6 +102,21 @@ def test_shard_sampler_skips_what_was_consumed():
     assert [i for i, _ in s] != [i for i, _ in full] and {e for _, e in s} == {1}
     ranks = [i for r in range(2) for i, _ in data.ShardSampler(ds, 2, r, seed=0)]
     assert sorted(ranks) == ds  # the two shards cover the epoch exactly once
+
+
+def test_a_relaunch_with_another_seed_is_refused_and_changes_nothing(finished_run, tmp_path):
+    """The seed orders each epoch: a relaunch with another one would read the rest of the epoch in another
+    permutation (samples twice, others never). One line naming the checkpoint's seed, exit 2, before any
+    step; the checkpoints and the metrics stay as they were."""
+    run = copy_run(finished_run, tmp_path / "run")  # stopped mid-epoch: 6 steps of 16 in an epoch
+    files = lambda: {p for p in [*(run / "checkpoints").rglob("*"), run / "metrics.jsonl"] if p.is_file()}  # noqa: E731
+    kept = {p: p.read_bytes() for p in files()}
+    proc = run_train(run, "seed=1", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=3", expect=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trained with seed=0 and this run has seed=1" in lines[0], proc.stderr[-3000:]
+    assert "set seed=0 to continue it" in lines[0]
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert files() == kept.keys()  # none added, none moved aside
 
 
 def test_trains_on_cifar10_python_batches(tmp_path):
