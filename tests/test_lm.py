@@ -198,6 +198,26 @@ def test_the_largest_token_id_is_read_once_per_shard_file(tmp_path):
         t.datasets()
 
 
+def test_shards_in_a_folder_that_takes_no_cache_keep_theirs_in_the_users_cache_folder(tmp_path, monkeypatch):
+    """Where the shards' folder cannot take the cache (read-only; here its name is taken by a folder, which
+    stops root too), the largest ids are kept in $XDG_CACHE_HOME/train and read from there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    (data / shards.TOKEN_MAX).mkdir(parents=True)
+    toks = np.arange(3000, dtype=np.uint16) % 200
+    shards.write_shard(data / "train.bin", toks, "nanogpt")
+    shards.write_shard(data / "val.bin", toks, "nanogpt")
+    t = task(data=str(data), model="nano", seq_len=16)
+    t.datasets()
+    kept = list((tmp_path / "cache" / "train").glob("token_max-*.json"))
+    assert len(kept) == 1 and sorted(json.loads(kept[0].read_text())) == ["train.bin", "val.bin"]
+    before = (data / "train.bin").stat()
+    toks[5] = 999
+    shards.write_shard(data / "train.bin", toks, "nanogpt")
+    os.utime(data / "train.bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+    t.datasets()  # the kept word, not a read
+
+
 # A sitecustomize patch (conftest.after_import) of train.shards: the rank of every process that looks for the
 # shards' largest token ids (token_max: the cache, else a read of every shard whole), one line each.
 RECORD_TOKEN_MAX = """

@@ -119,7 +119,10 @@ TOKEN_MAX = ".token_max.json"  # {file name: [size, mtime_ns, largest token id]}
 
 def _cache_files(folder: Path) -> list[Path]:
     """Where a folder's cache may be: in it, else (a read-only data set) in the user's cache folder."""
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train"
+    try:  # a container's user may have no home (Path.home() raises): the folder alone, then
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train"
+    except (RuntimeError, KeyError):
+        return [folder / TOKEN_MAX]
     return [folder / TOKEN_MAX, home / f"token_max-{hashlib.sha1(str(folder).encode()).hexdigest()[:16]}.json"]
 
 
