@@ -1,5 +1,6 @@
-"""The language model task in one process: shards (both formats, malformed ones), train.prepare, the built-in
-corpus, the GPT model. The multi-process runs of it are in the trainer's tests."""
+"""The language model task in one process: shards (both formats, malformed ones, the token-id cache),
+train.prepare, the built-in corpus, the GPT model; and two ranks sharing one vocabulary check. The trainer's
+multi-process runs of it are in tests/test_lm_train.py."""
 
 from __future__ import annotations
 
