@@ -122,7 +122,7 @@ class TrainStream:
         if seed is not None and int(seed) != self.sampler.seed:
             raise ConfigError(f"the checkpoint was trained with seed={seed} and this run has seed={self.sampler.seed}"
                               f", which orders and draws its data: set seed={seed} to continue it, or start a new "
-                              f"run with another run.name")
+                              f"run (from scratch) under another run.name")
         self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
 
 
