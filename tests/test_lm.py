@@ -1,9 +1,12 @@
-"""The language model task in one process: shards (both formats, malformed ones), train.prepare, the built-in
-corpus, the GPT model. The multi-process runs of it are in the trainer's tests."""
+"""The language model task in one process: shards (both formats, malformed ones, the token-id cache),
+train.prepare, the built-in corpus, the GPT model; and two ranks sharing one vocabulary check. The trainer's
+multi-process runs of it are in tests/test_lm_train.py."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pickle
 import subprocess
 import sys
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PY, ROOT, clean_env
+from tests.conftest import PY, ROOT, after_import, clean_env
+from tests.test_lm_train import lm_cmd
 from train import prepare, shards
 from train.config import ConfigError
 from train.model import GPT, PRESETS, preset
@@ -50,8 +54,9 @@ def test_prepare_round_trip_gives_exactly_the_windows_of_the_text(tmp_path, fmt)
     tokens = np.frombuffer(b"".join(texts), dtype=np.uint8)  # a.txt then sub/b.txt: sorted paths
     n_val = round(len(tokens) * 0.3)
     train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.glob("*.bin"))
     assert names == [f"txt_train_{i:06d}.bin" for i in range(3)] + ["txt_val_000000.bin", "txt_val_000001.bin"]
+    assert sorted(json.loads((out / shards.TOKEN_MAX).read_text())) == names  # each shard's largest id, kept
     if fmt == "llmc":
         header = np.fromfile(out / "txt_train_000000.bin", dtype="<i4", count=256)
         assert header[:3].tolist() == [20240520, 1, 2000] and not header[3:].any()
@@ -144,6 +149,109 @@ def test_missing_or_empty_data_is_a_config_error(tmp_path):
     shards.write_shard(tmp_path / "val.bin", np.arange(10, dtype=np.uint16), "llmc")
     with pytest.raises(ConfigError, match="no window of seq_len"):
         task(data=str(tmp_path), model="nano", seq_len=16).datasets()
+
+
+def llmc_header(magic: int, version: int, count: int) -> bytes:
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, count
+    return header.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["llama-3", "eval"])
+def test_llmc_files_of_another_kind_are_refused_by_name(tmp_path, kind):
+    """llm.c's llama-3 shards (uint32 tokens) and its HellaSwag/MMLU evaluation files: under format auto and
+    a vocabulary large enough to take their bytes as uint16 tokens, one line naming what the file is."""
+    toks = np.arange(2000) % 1000
+    path = tmp_path / f"edu_{kind}_train_000000.bin"
+    if kind == "llama-3":  # llm.c's data_common.py, model_desc llama-3
+        path.write_bytes(llmc_header(20240801, 7, len(toks)) + toks.astype("<u4").tobytes())
+        words = "a llama-3 token shard (llm.c's magic 20240801, version 7, uint32 tokens)"
+    else:  # its write_evalfile: magic 20240522, version 1, the number of examples
+        path.write_bytes(llmc_header(20240522, 1, 10) + toks.astype("<u2").tobytes())
+        words = "an evaluation file (llm.c's magic 20240522"
+    shards.write_shard(tmp_path / "edu_val_000000.bin", toks, "llmc")
+    with pytest.raises(ConfigError) as e:
+        task(data=str(tmp_path), model="nano", seq_len=16, vocab_size=65536).datasets()
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {words}") and "--model_desc gpt-2" in msg and "\n" not in msg, msg
+
+
+def test_the_largest_token_id_is_read_once_per_shard_file(tmp_path):
+    """The vocabulary check reads a shard whole once: later starts take its largest id from the cache as
+    long as the file's size and modification time are unchanged (here the content changes behind the
+    cache's back, and is not seen), and read it again once they change."""
+    toks = np.arange(3000, dtype=np.uint16) % 200
+    train_path = tmp_path / "c_train_000000.bin"
+    shards.write_shard(train_path, toks, "llmc")
+    shards.write_shard(tmp_path / "c_val_000000.bin", toks[:500], "llmc")
+    t = task(data=str(tmp_path), model="nano", seq_len=16)  # vocabulary 256
+    t.datasets()
+    assert (tmp_path / shards.TOKEN_MAX).is_file()
+    before = train_path.stat()
+    out_of_vocab = toks.copy()
+    out_of_vocab[1234] = 300
+    shards.write_shard(train_path, out_of_vocab, "llmc")  # same size
+    os.utime(train_path, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same modification time
+    train, _ = t.datasets()  # the second start: the cache's word, not a read of the shard
+    assert train[1234 // 16][0].tolist()[1234 % 16] == 300
+    os.utime(train_path, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+    with pytest.raises(ConfigError, match=f"{train_path}: token id 300 >= task.vocab_size 256"):
+        t.datasets()
+
+
+def test_shards_in_a_folder_that_takes_no_cache_keep_theirs_in_the_users_cache_folder(tmp_path, monkeypatch):
+    """Where the shards' folder cannot take the cache (read-only; here its name is taken by a folder, which
+    stops root too), the largest ids are kept in $XDG_CACHE_HOME/train and read from there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    (data / shards.TOKEN_MAX).mkdir(parents=True)
+    toks = np.arange(3000, dtype=np.uint16) % 200
+    shards.write_shard(data / "train.bin", toks, "nanogpt")
+    shards.write_shard(data / "val.bin", toks, "nanogpt")
+    t = task(data=str(data), model="nano", seq_len=16)
+    t.datasets()
+    kept = list((tmp_path / "cache" / "train").glob("token_max-*.json"))
+    assert len(kept) == 1 and sorted(json.loads(kept[0].read_text())) == ["train.bin", "val.bin"]
+    before = (data / "train.bin").stat()
+    toks[5] = 999
+    shards.write_shard(data / "train.bin", toks, "nanogpt")
+    os.utime(data / "train.bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+    t.datasets()  # the kept word, not a read
+
+
+# A sitecustomize patch (conftest.after_import) of train.shards: the rank of every process that looks for the
+# shards' largest token ids (token_max: the cache, else a read of every shard whole), one line each.
+RECORD_TOKEN_MAX = """
+import os
+real = module.token_max
+def token_max(found):
+    with open(os.environ["LOOKS_FILE"], "a") as f:
+        f.write(os.environ.get("RANK", "0") + "\\n")
+    return real(found)
+module.token_max = token_max
+"""
+
+
+def test_rank_0_alone_reads_the_shards_and_tells_the_other_ranks_what_is_wrong(tmp_path):
+    """Two ranks: only rank 0 reads the shards for the vocabulary check, and the other rank raises the same
+    one-line error from its word (a rank 0 that raised without telling would leave it waiting)."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    toks = np.arange(4096, dtype=np.uint16) % 200
+    shards.write_shard(data / "c_train_000000.bin", toks, "llmc")
+    toks[77] = 300  # the tiny preset's vocabulary is 256
+    shards.write_shard(data / "c_val_000000.bin", toks, "llmc")
+    env = after_import(tmp_path, "train.shards", RECORD_TOKEN_MAX)
+    env["LOOKS_FILE"] = str(tmp_path / "looks.txt")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(lm_cmd(run_dir, f"task.data={data}", "train.steps=1", "dist.timeout_s=60"), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    errors = sorted(line for line in proc.stderr.splitlines() if "error: " in line)
+    words = f"error: {data / 'c_val_000000.bin'}: token id 300 >= task.vocab_size 256: "
+    assert [e[:len(words) + 9] for e in errors] == [f"[rank {r}] {words}" for r in (0, 1)], proc.stderr[-3000:]
+    assert proc.returncode != 0  # torchrun: exit 1 and its ChildFailedError (the launcher says exit 2)
+    assert (tmp_path / "looks.txt").read_text().split() == ["0"]
+    assert not run_dir.exists()
 
 
 def run_prepare(*args: str) -> subprocess.CompletedProcess:

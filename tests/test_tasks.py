@@ -9,9 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, summary
 from tests.procs import finish, logged_steps, wait_for
+from train.config import ConfigError
+from train.task import first_tensor
 
 # The example with dropout (training draws from torch's RNG in the rank) and a loader worker per rank that
 # unpickles the user's data set and draws its input noise: a resume that lost either would differ.
@@ -138,3 +141,55 @@ def test_a_mistake_in_a_task_file_names_its_line(tmp_path):
     line = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in line, line
     assert f"failed at {tmp_path / 'my_task.py'}:23: ZeroDivisionError: division by zero" in line, line
+
+
+NAMED = """
+from dataclasses import dataclass
+import torch
+from torch.utils.data import Dataset
+from train.task import Task
+
+class Named(Dataset):
+    \"\"\"Items (name, x, y): the default collate makes a batch's names a list of strings, its first element.\"\"\"
+    def __init__(self, n):
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return f"sample {i}", self.x[i], self.x[i].sum(0, keepdim=True)
+
+class T(Task):
+    @dataclass
+    class Config:
+        pass
+
+    def datasets(self):
+        return Named(64), Named(12)
+
+    def model(self):
+        return torch.nn.Linear(4, 1)
+
+    def loss(self, model, batch):
+        names, x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+"""
+
+
+def test_the_default_evaluation_counts_batches_whose_first_element_is_a_list_of_strings(tmp_path):
+    """A task whose items start with a string (an id, a caption) and that keeps Task's eval_step: the
+    evaluation ends, and averages its loss over the 12 samples."""
+    path = _task_file(tmp_path, NAMED)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PY, "-m", "train", f"task.name={path}:T", f"run.dir={run_dir}", "train.steps=2",
+                           "train.eval_every=1", "train.global_batch_size=8", "train.micro_batch_size=8",
+                           "train.log_every=1", "log.wandb.mode=disabled", "log.report=false", "data.num_workers=0"],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [m for m in metrics(run_dir) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [1, 2], evals
+    weights = latest_state(run_dir)["model"]  # step 2's, which its evaluation used
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(12))  # Named(12)
+    per_sample = ((x @ weights["weight"].T + weights["bias"]) - x.sum(1, keepdim=True)).pow(2)
+    assert evals[-1]["eval_loss"] == pytest.approx(per_sample.mean().item(), rel=1e-5)
+    with pytest.raises(ConfigError, match="holds no tensor: .* define eval_step"):  # nothing to count by
+        first_tensor([["a", "b"], {"ids": ["c", "d"]}])

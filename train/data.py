@@ -115,6 +115,14 @@ class TrainStream:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's position; refused (ConfigError) where it was trained with another seed: the seed
+        orders each epoch, so the rest of the epoch would follow another permutation (samples read twice,
+        others never), and it makes the built-in data sets and the augmentation."""
+        seed = state.get("seed")  # absent from checkpoints older than the seed's check
+        if seed is not None and int(seed) != self.sampler.seed:
+            raise ConfigError(f"the checkpoint was trained with seed={seed} and this run has seed={self.sampler.seed}"
+                              f", which orders and draws its data: set seed={seed} to continue it, or start a new "
+                              f"run (from scratch) under another run.name")
         self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
 
 

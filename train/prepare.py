@@ -96,7 +96,7 @@ def write_split(tokens: np.ndarray, outdir: Path, name: str, split: str, args, b
         path = outdir / f"{name}_{split}_{i:06d}.bin"
         shards.write_shard(path, part, args.format)
         back = shards.open_shard(path, args.format)  # read back: the header, the size, every token
-        shards.check_vocab(back, VOCAB[args.tokenizer])
+        shards.check_vocab([back], VOCAB[args.tokenizer])  # and keeps its largest id (TOKEN_MAX)
         if back.count != len(part) or not np.array_equal(back.tokens(), part):
             raise RuntimeError(f"{path}: reading the shard back does not give the tokens written")
         paths.append(path)

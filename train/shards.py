@@ -1,19 +1,29 @@
 """Token shards on disk, in the two formats people have, and the windows a language model trains on.
 
 - llm.c: a header of 256 int32 (magic 20240520, version 1, the number of tokens, then zeros), then the
-  tokens as uint16. The format of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...).
+  tokens as uint16. The format of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...) for GPT-2. The
+  other files of that family are refused by name: its llama-3 shards (magic 20240801, version 7, uint32
+  tokens) and its evaluation files (magic 20240522: HellaSwag/MMLU examples, not a token stream).
 - nanoGPT: the tokens as bare uint16, nothing else (its data/*/prepare.py: train.bin, val.bin).
 
 Shards are memory-mapped, never read whole: a TokenWindows holds only paths and lengths (it pickles in
 microseconds to every loader worker) and each process opens its memory maps on first access. A malformed
 shard is a ConfigError naming the file and what to do, found when the data set is built, not mid-run.
+
+Every token id is checked against the vocabulary once per shard file, not at every start: the largest id
+of each shard is kept in a small cache (TOKEN_MAX, next to the shards, else in the user's cache folder)
+keyed by the file's size and modification time, and read by rank 0 alone, which tells the other ranks.
 """
 
 from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,6 +35,9 @@ from torch.utils.data import Dataset
 from train.config import ConfigError
 
 MAGIC, VERSION = 20240520, 1
+# llm.c's other headers (its dev/data/data_common.py): a shard of them read as bare uint16 would be garbage.
+OTHER_MAGICS = {20240801: "a llama-3 token shard (llm.c's magic 20240801, version 7, uint32 tokens)",
+                20240522: "an evaluation file (llm.c's magic 20240522: HellaSwag/MMLU examples, not a token stream)"}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN = np.dtype("<u2")  # both formats: little-endian uint16 (vocabularies up to 65536)
@@ -74,6 +87,11 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the shard ({e.strerror or e})") from None
     has_magic = len(head) > 0 and head[0] == MAGIC
+    if fmt != "nanogpt" and len(head) > 0 and int(head[0]) in OTHER_MAGICS:
+        bare = "" if fmt == "llmc" else "; a bare uint16 file that starts so: set task.format=nanogpt"
+        raise ConfigError(f"{path}: {OTHER_MAGICS[int(head[0])]}; this trainer reads GPT-2's uint16 shards "
+                          f"(magic 20240520): tokenize for GPT-2 (llm.c's --model_desc gpt-2, or python -m "
+                          f"train.prepare){bare}")
     if fmt == "nanogpt" or (fmt == "auto" and not has_magic):
         if size % 2:
             raise ConfigError(f"{path}: {size} bytes is not a whole number of uint16 tokens: truncated, or not "
@@ -96,15 +114,95 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
     return Shard(path, HEADER_BYTES, count)
 
 
-def check_vocab(shard: Shard, vocab_size: int) -> None:
+TOKEN_MAX = ".token_max.json"  # {file name: [size, mtime_ns, largest token id]}, one per folder of shards
+
+
+def _cache_files(folder: Path) -> list[Path]:
+    """Where a folder's cache may be: in it, else (a read-only data set) in the user's cache folder."""
+    try:  # a container's user may have no home (Path.home() raises): the folder alone, then
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train"
+    except (RuntimeError, KeyError):
+        return [folder / TOKEN_MAX]
+    return [folder / TOKEN_MAX, home / f"token_max-{hashlib.sha1(str(folder).encode()).hexdigest()[:16]}.json"]
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(folder: Path, entries: dict) -> None:
+    """Merge entries into the folder's cache, atomically (a reader sees the old file or the new one); into the
+    user's cache folder where the shards' folder is not writable; not at all where neither is (it only costs
+    a read of the shards at the next start)."""
+    for path in _cache_files(folder):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            merged = _read_cache(path) | entries
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(merged, f)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            return
+        except OSError:
+            continue
+
+
+def token_max(shards: list[Shard]) -> list[int]:
+    """The largest token id of each shard (-1: empty): from the cache where the file's size and modification
+    time are those it was computed for, else one pass over its memory map (~0.1 s per 100M tokens), kept."""
+    out: list[int] = []
+    fresh: dict[Path, dict] = {}
+    caches: dict[Path, dict] = {}
+    for shard in shards:
+        if shard.array is not None:
+            out.append(int(shard.array.max()) if shard.count else -1)
+            continue
+        path = Path(shard.path).resolve()
+        st = path.stat()
+        key = [st.st_size, st.st_mtime_ns]
+        if path.parent not in caches:
+            caches[path.parent] = next((c for c in map(_read_cache, _cache_files(path.parent)) if c), {})
+        hit = caches[path.parent].get(path.name)
+        if isinstance(hit, list) and len(hit) == 3 and hit[:2] == key:
+            out.append(int(hit[2]))
+            continue
+        top = int(shard.tokens().max()) if shard.count else -1
+        fresh.setdefault(path.parent, {})[path.name] = [*key, top]
+        out.append(top)
+    for folder, entries in fresh.items():
+        _write_cache(folder, entries)
+    return out
+
+
+def check_vocab(shards: list[Shard], vocab_size: int) -> None:
     """Every token id must be < vocab_size: an out-of-range id would fail deep inside the embedding (or
-    silently on some GPUs). One pass over the memory map, ~0.1 s per 100M tokens."""
-    if shard.count == 0:
-        return
-    top = int(shard.tokens().max())
-    if top >= vocab_size:
-        raise ConfigError(f"{shard.path}: token id {top} >= task.vocab_size {vocab_size}: tokenized with a larger "
-                          f"vocabulary? set task.vocab_size (GPT-2's encoding: 50257, padded 50304)")
+    silently on some GPUs). Rank 0 finds each shard's largest id (token_max: read once, then cached) and
+    tells the other ranks, which then raise the same error, or none."""
+    import torch.distributed as dist
+
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    found: list = [None]
+    if not group or dist.get_rank() == 0:
+        try:
+            found[0] = token_max(shards)
+        except Exception as e:  # told to every rank: none waits alone in the broadcast
+            found[0] = f"cannot read the shards ({type(e).__name__}: {e})"
+    if group:
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], str):
+        raise ConfigError(f"task.data: {found[0]}")
+    for shard, top in zip(shards, found[0], strict=True):
+        if top >= vocab_size:
+            raise ConfigError(f"{shard.path}: token id {top} >= task.vocab_size {vocab_size}: tokenized with a "
+                              f"larger vocabulary? set task.vocab_size (GPT-2's encoding: 50257, padded 50304)")
 
 
 SPLIT_WORDS = {"train": {"train"}, "val": {"val", "valid", "validation"}}

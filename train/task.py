@@ -12,7 +12,7 @@ epoch), W&B, metrics.jsonl, the report, the doctor, and every launcher.
 
 What the trainer asks of a task, and only that:
 - `datasets()`: (train, eval), map-style: `len(ds)` and `ds[i]`, an item that the default collate batches
-  (tensors, numbers, or tuples/dicts of them). Random augmentation may draw from torch, random and numpy
+  (tensors, numbers, strings, or tuples/dicts of them). Random augmentation may draw from torch, random and numpy
   freely: the trainer seeds those from (seed, epoch, index) around each `ds[i]`, so a resumed run, any
   number of loader workers and any world size see the same sample. Built on every rank: keep it cheap
   (memory-map big files, as the language model's token shards do).
@@ -93,11 +93,20 @@ class Task:
 
 
 def first_tensor(batch: Any) -> torch.Tensor:
-    """The first tensor of a collated batch (a tensor, or tuples, lists and dicts of them): its length is
-    the batch's, its device the batch's."""
-    while not hasattr(batch, "shape"):
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return batch
+    """The first tensor of a collated batch (a tensor, or tuples, lists and dicts of them, in order, depth
+    first): its length is the batch's, its device the batch's. What is not a tensor is passed over: the
+    default collate makes a list of a batch's strings, and a string's first element is itself."""
+    pending = [batch]
+    while pending:
+        item = pending.pop()
+        if hasattr(item, "shape"):
+            return item
+        if isinstance(item, dict):
+            pending.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(reversed(item))
+    raise ConfigError(f"a batch of {type(batch).__name__} holds no tensor: the default eval_step() counts a "
+                      f"batch's samples by its first tensor; define eval_step() in the task")
 
 
 REQUIRED = ("datasets", "model", "loss")

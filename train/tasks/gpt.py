@@ -98,11 +98,11 @@ class LanguageModel(Task):
             val_files = shards.split_shards(files, "val", c.data)
         out = []
         val_key = "task.eval_data" if c.eval_data else "task.data"
-        for key, paths in (("task.data", train_files), (val_key, val_files)):
-            opened = [shards.open_shard(p, c.format) for p in paths]
-            for s in opened:
-                shards.check_vocab(s, g.vocab_size)
-            ds = shards.TokenWindows(opened, g.block_size)
+        splits = [("task.data", train_files), (val_key, val_files)]
+        opened = [[shards.open_shard(p, c.format) for p in paths] for _, paths in splits]
+        shards.check_vocab(opened[0] + opened[1], g.vocab_size)  # read once, then cached (and by rank 0 only)
+        for (key, paths), split_shards in zip(splits, opened, strict=True):
+            ds = shards.TokenWindows(split_shards, g.block_size)
             if len(ds) == 0:
                 raise ConfigError(f"{key}: no window of seq_len + 1 = {g.block_size + 1} tokens fits in any "
                                   f"shard of {', '.join(paths)}; lower task.seq_len")

@@ -126,9 +126,9 @@ class ArrayDataset(Dataset):
         x = self.images[index].float().div_(255)
         if self.augment:  # random 4-pixel-padded crop and horizontal flip (the trainer seeds the draws)
             pad = max(1, x.shape[-1] // 8)
-            dx, dy, flip = torch.randint(0, 2 * pad + 1, (3,)).tolist()
+            dx, dy = torch.randint(0, 2 * pad + 1, (2,)).tolist()
             x = F.pad(x, (pad, pad, pad, pad), mode="reflect")[:, dy:dy + x.shape[1], dx:dx + x.shape[2]]
-            if flip % 2:
+            if torch.randint(0, 2, ()).item():  # a draw of its own: an offset's parity is odd 4 times in 9
                 x = x.flip(-1)
         return (x - self.mean) / self.std, int(self.labels[index])
 
