@@ -324,6 +324,10 @@ def test_resume_never_and_resume_from_a_path(tmp_path, finished_run):
     assert_same_weights(latest_state(branch)["model"], latest_state(fresh)["model"])
     proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
     assert "is neither a checkpoint folder nor a folder" in proc.stderr
+    # a new run from another run's checkpoint may take a seed of its own (a relaunch of a run may not: test_data)
+    proc = run_train(tmp_path / "seeded", f"resume={finished_run / 'checkpoints' / 'step_00000004'}", "seed=1",
+                     "train.steps=5")
+    assert "trained with seed=0: from its data position on, this run's seed=1 orders the data" in proc.stdout
 
 
 def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):

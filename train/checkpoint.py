@@ -983,7 +983,14 @@ class Checkpointer:
             parts.scaler.load_state_dict(state["scaler"])  # a disabled scaler (fp32, bf16) ignores it
         parts.step = int(state["step"])
         parts.eval_pending = bool(state.get("eval_pending", False))
-        parts.stream.load_state_dict(state["data"])
+        data_state = state["data"]
+        if data_state.get("seed", self.cfg.seed) != self.cfg.seed and not _inside(path, self.cfg.run_dir):
+            # A new run from another run's checkpoint (a fine-tune) may choose its own seed; a relaunch of this
+            # run may not (TrainStream refuses it): the rest of its epoch would follow another permutation.
+            self.log.warning(f"a new run from {path}, trained with seed={data_state['seed']}: from its data "
+                             f"position on, this run's seed={self.cfg.seed} orders the data")
+            data_state = data_state | {"seed": self.cfg.seed}
+        parts.stream.load_state_dict(data_state)
         self.tracker_id = state.get("tracker", {}).get("run_id")
         if state["world_size"] == self.world_size:
             _set_rng_state(state["rng"][self.rank], parts.device)
