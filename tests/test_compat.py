@@ -1,0 +1,69 @@
+"""Checkpoints of earlier versions, written by their own code (tests/fixtures/previous_release.py), resume in
+this one with bitwise the losses and the state of an uninterrupted run of today's code."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import (
+    PY,
+    ROOT,
+    assert_same_training,
+    clean_env,
+    copy_run,
+    latest_state,
+    run_train,
+    train_losses,
+)
+from tests.fixtures.previous_release import FIXTURES, OLD, REGRESSION, RELEASE, STEPS, have, write_old_run
+from train import checkpoint
+
+LATER = f"train.steps={STEPS + 2}"
+
+
+def test_the_previous_releases_checkpoint_resumes_bitwise(tmp_path):
+    """RELEASE's 2-rank run, stopped at step 2 (committed: tests/fixtures/<RELEASE>/), continued by today's
+    code: every logged loss (its steps 1-2 included) and the final weights and optimizer state are those of
+    today's uninterrupted run."""
+    run = copy_run(FIXTURES / RELEASE, tmp_path / "run")
+    proc = run_train(run, *REGRESSION, LATER, nproc=2, tiny=False)
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
+    run_train(tmp_path / "ref", *REGRESSION, LATER, nproc=2, tiny=False)
+    assert list(train_losses(run)) == [1, 2, 3, 4]
+    assert_same_training(tmp_path / "ref", run)
+
+
+@pytest.mark.skipif(not have(OLD), reason=f"this clone lacks commit {OLD}, whose code writes the checkpoint "
+                    "(too large to commit): `git fetch --unshallow` runs it")
+def test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise(tmp_path):
+    """42fd791's format-1 checkpoint (keys data.*, model.*) written by its own code converts without its
+    model being built, with the config in today's keys, and today's code continues it bitwise."""
+    old = tmp_path / "old"
+    write_old_run(old)
+    proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(old)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "converted 1 checkpoint(s)" in proc.stdout, proc.stderr
+    proc = run_train(old, "task.augment=false", LATER)
+    assert f"resumed from {old / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
+    ref = tmp_path / "ref"
+    run_train(ref, "task.augment=false", LATER)
+    assert list(train_losses(old)) == [1, 2, 3, 4]
+    assert_same_training(ref, old)
+    converted = checkpoint.read_state(old / "checkpoints" / "step_00000002", keys=())
+    assert converted["config"]["task"] == latest_state(ref)["config"]["task"]  # OLD_KEYS maps every key
+    assert converted["config"]["dist"]["sync_bn"] is False
+    assert (old / "checkpoints" / "step_00000002.pt").exists()  # the original stays
+
+
+def test_the_class_count_of_an_old_checkpoint_is_read_from_its_weights():
+    """Before the task interface, cifar10 and imagefolder runs counted their classes: data.num_classes (the
+    built-in data's) was not the model's."""
+    old = {"data": {"name": "imagefolder", "path": "/data/pets", "num_classes": 10},
+           "model": {"name": "resnet18", "sync_bn": True}, "train": {"steps": 9}}
+    new = checkpoint._today_config(old, {"fc.weight": torch.zeros(37, 512)})
+    assert new == {"task": {"name": checkpoint.OLD_TASK, "data": "imagefolder", "path": "/data/pets",
+                            "num_classes": 37, "model": "resnet18"}, "dist": {"sync_bn": True},
+                   "train": {"steps": 9}}
