@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import (
     PY,
+    RNG_DRAWS,
     ROOT,
     assert_same_training,
     clean_env,
@@ -40,16 +41,17 @@ def test_the_previous_releases_checkpoint_resumes_bitwise(tmp_path):
                     "(too large to commit): `git fetch --unshallow` runs it")
 def test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise(tmp_path):
     """42fd791's format-1 checkpoint (keys data.*, model.*) written by its own code converts without its
-    model being built, with the config in today's keys, and today's code continues it bitwise."""
+    model being built, with the config in today's keys, and today's code continues it bitwise: the weights,
+    the optimizer's momentum, the data position and the RNG states (the model draws: RNG_DRAWS) all carried."""
     old = tmp_path / "old"
     write_old_run(old)
     proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(old)], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "converted 1 checkpoint(s)" in proc.stdout, proc.stderr
-    proc = run_train(old, "task.augment=false", LATER)
+    proc = run_train(old, "task.augment=false", LATER, entry=RNG_DRAWS)
     assert f"resumed from {old / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
     ref = tmp_path / "ref"
-    run_train(ref, "task.augment=false", LATER)
+    run_train(ref, "task.augment=false", LATER, entry=RNG_DRAWS)
     assert list(train_losses(old)) == [1, 2, 3, 4]
     assert_same_training(ref, old)
     converted = checkpoint.read_state(old / "checkpoints" / "step_00000002", keys=())
