@@ -69,3 +69,25 @@ def test_the_class_count_of_an_old_checkpoint_is_read_from_its_weights():
     assert new == {"task": {"name": checkpoint.OLD_TASK, "data": "imagefolder", "path": "/data/pets",
                             "num_classes": 37, "model": "resnet18"}, "dist": {"sync_bn": True},
                    "train": {"steps": 9}}
+
+
+def test_a_checkpoint_that_names_code_is_refused_in_one_line_and_nothing_it_names_runs(tmp_path):
+    """--convert loads weights_only: a format-1 file naming a module's class (importable here, and writing a
+    file when imported) is refused in one line (exit 2), the module never imported, nothing written."""
+    (tmp_path / "planted.py").write_text("import pathlib\npathlib.Path(__file__).with_name('imported').touch()\n"
+                                         "class Thing:\n    pass\n")
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    make = (f"import sys, json, zlib, torch; sys.path.insert(0, {str(tmp_path)!r}); import planted\n"
+            f"p = {str(folder / 'step_00000002.pt')!r}; torch.save({{'format': 1, 'x': planted.Thing()}}, p)\n"
+            "raw = open(p, 'rb').read()\n"
+            "open(p[:-3] + '.json', 'w').write(json.dumps({'crc32': zlib.crc32(raw), 'bytes': len(raw)}))\n")
+    subprocess.run([PY, "-c", make], check=True, timeout=60)
+    (tmp_path / "imported").unlink()
+    proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(tmp_path / "run")], cwd=ROOT,
+                          env=clean_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {folder / 'step_00000002.pt'} does not load as plain tensors and values (it names planted.Thing, "
+        "which is no tensor or plain value): finish its run with the version of this project that wrote it\n")
+    assert not (tmp_path / "imported").exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000002.json", "step_00000002.pt"]

@@ -986,19 +986,22 @@ def _read_old(path: Path) -> dict:
         raise ValueError(f"{path} is unreadable ({_why(e)}): resume from the checkpoint before it, or copy it "
                          f"again from where it was written") from None
     if crc != {"bytes": meta.get("bytes"), "crc32": meta.get("crc32")}:
-        raise ValueError(f"{path} fails its checksum ({crc['bytes']} bytes, its .json says {meta.get('bytes')}): "
-                         f"copy it again from where it was written, or remove it and its .json to convert the "
-                         f"ones before it")
+        why = ("CRC-32 differs" if crc["bytes"] == meta.get("bytes")
+               else f"{crc['bytes']} bytes, its .json says {meta.get('bytes')}")
+        raise ValueError(f"{path} fails its checksum ({why}): copy it again from where it was written, or remove "
+                         f"it and its .json to convert the ones before it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path} does not load as plain tensors and values ({_why(e)}): finish its run with "
-                         f"the version of this project that wrote it") from None
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # weights_only's refusal, lines down
+        why = f"it names {named.group(1)}, which is no tensor or plain value" if named else _why(e)
+        raise ValueError(f"{path} does not load as plain tensors and values ({why}): finish its run with the "
+                         f"version of this project that wrote it") from None
     keys = ("format", "model", "optimizer", "step", "data", "rng", "world_size", "config")
-    missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
-    if missing or state["format"] != 1:
-        raise ValueError(f"{path} is no checkpoint of format 1 (it lacks {', '.join(missing) or 'nothing'}, format "
-                         f"{state.get('format') if not missing else '?'}): finish its run with the version of this "
+    if not isinstance(state, dict) or (missing := [k for k in keys if k not in state]) or state["format"] != 1:
+        what = (f"a {type(state).__name__}" if not isinstance(state, dict) else
+                f"no {', '.join(missing)}" if missing else f"format {state['format']!r}")
+        raise ValueError(f"{path} is no checkpoint of format 1 ({what}): finish its run with the version of this "
                          f"project that wrote it")
     return state
 
@@ -1074,12 +1077,14 @@ def convert(directory: Path) -> tuple[list[Path], list[Path]]:
     the .pt and .json files stay. Returns those written, and those already converted (left as they are)."""
     latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "~"
     olds = [p for p in _old_checkpoints(directory) if p.name <= latest or not OLD_NAME.match(latest)]
-    done, kept = [], []
-    for old in reversed(olds):  # `latest` ends at the newest
-        new = directory / old.stem
-        if (new / MANIFEST).exists() and _meta(new).get("converted_from") == old.name:
-            kept.append(new)
-            continue
+    kept = [directory / p.stem for p in olds if _meta(directory / p.stem).get("converted_from") == p.name]
+    todo = [p for p in reversed(olds) if directory / p.stem not in kept]  # `latest` ends at the newest
+    for old in todo:  # all of them are checked before any is written: a bad one leaves nothing half done
+        state = _read_old(old)
+        _param_names(state["model"], state["optimizer"], old)
+        del state
+    done = []
+    for old in todo:
         state = _read_old(old)
         names = _param_names(state["model"], state["optimizer"], old)
         optimizer = _named_optimizer(state["optimizer"], names)
