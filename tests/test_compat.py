@@ -25,6 +25,17 @@ from train import checkpoint
 LATER = f"train.steps={STEPS + 2}"
 
 
+def assert_same_first_steps(ref, run, written_by: str) -> None:
+    """The earlier version's steps (logged in the run) are those of today's uninterrupted run: without that
+    the resume cannot be bitwise, whatever the checkpoint holds."""
+    ref_losses, losses = train_losses(ref), train_losses(run)
+    first = [(s, losses[s], ref_losses[s]) for s in range(1, STEPS + 1)]
+    assert all(a == b for _, a, b in first), (
+        f"today's code does not compute {written_by}'s first {STEPS} steps bit for bit here (step, theirs, "
+        f"today's: {first}): a change of the numbers (or, for a committed fixture, another kind of CPU): see "
+        f"tests/fixtures/previous_release.py")
+
+
 def test_the_previous_releases_checkpoint_resumes_bitwise(tmp_path):
     """RELEASE's 2-rank run, stopped at step 2 (committed: tests/fixtures/<RELEASE>/), continued by today's
     code: every logged loss (its steps 1-2 included) and the final weights and optimizer state are those of
@@ -34,6 +45,7 @@ def test_the_previous_releases_checkpoint_resumes_bitwise(tmp_path):
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
     run_train(tmp_path / "ref", *REGRESSION, LATER, nproc=2, tiny=False)
     assert list(train_losses(run)) == [1, 2, 3, 4]
+    assert_same_first_steps(tmp_path / "ref", run, RELEASE)
     assert_same_training(tmp_path / "ref", run)
 
 
@@ -53,6 +65,7 @@ def test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise(tmp_path):
     ref = tmp_path / "ref"
     run_train(ref, "task.augment=false", LATER, entry=RNG_DRAWS)
     assert list(train_losses(old)) == [1, 2, 3, 4]
+    assert_same_first_steps(ref, old, OLD)
     assert_same_training(ref, old)
     converted = checkpoint.read_state(old / "checkpoints" / "step_00000002", keys=())
     assert converted["config"]["task"] == latest_state(ref)["config"]["task"]  # OLD_KEYS maps every key
