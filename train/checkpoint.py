@@ -158,7 +158,13 @@ class _CrcWriter:
         self.bytes += n
         return n
 
-    def __getattr__(self, name):  # tell, flush, fileno, close
+    def flush(self) -> None:
+        # DCP's stream wrappers flush us when they are collected, which after a failed write (a full disk) is
+        # after the file was closed: Python 3.13 prints that ValueError as "Exception ignored in" + a traceback
+        if not self.f.closed:
+            self.f.flush()
+
+    def __getattr__(self, name):  # tell, fileno, close
         return getattr(self.f, name)
 
 
