@@ -200,9 +200,10 @@ def finished_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def finished_two_ranks(tmp_path_factory) -> Path:
-    """Two ranks under torchrun (gloo), TINY to its end (6 steps), checkpoints at steps 2, 4 and 6."""
+    """Two ranks under torchrun (gloo), TINY to its end (6 steps), checkpoints at steps 2, 4 and 6, each followed by
+    an evaluation."""
     run_dir = tmp_path_factory.mktemp("finished_two_ranks")
-    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3", nproc=2)
+    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2", nproc=2)
     return run_dir
 
 
