@@ -25,7 +25,6 @@ from tests.conftest import (
     summary,
 )
 from tests.procs import finish, logged_steps, wait_for
-from tests.test_lm_train import assert_no_loss_under_the_entropy_rate
 from train import checkpoint
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
@@ -84,8 +83,6 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(lm_runs):
     worst = max(abs(a[s] - b[s]) / a[s] for s in a)
     assert worst < 5e-7, f"FSDP's losses differ from DDP's by {worst:.2e} (relative)"
     assert a[20] < a[1]  # it trains
-    for run in (ddp, fsdp):
-        assert_no_loss_under_the_entropy_rate(run)
     sa, sb = summary(ddp), summary(fsdp)
     assert abs(sa["eval_loss"] - sb["eval_loss"]) / sa["eval_loss"] < 5e-7, (sa["eval_loss"], sb["eval_loss"])
     assert sb["ranks_in_sync"] is True and sb["world_size"] == 2
