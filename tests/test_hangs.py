@@ -143,8 +143,6 @@ def test_the_line_names_every_rank_that_did_not_join_and_ranges_of_the_ones_that
         hang.PEERS.clear()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: node n1's launcher never ends: its torchrun agent (which also "
-                   "hosts the rendezvous) sees its one worker stopped, not failed; nothing tells it n2's ended")
 def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(make_hosts, tmp_path):
     """Rank 0's process serves the group's store (env://): frozen, it takes the store with it. A new connection
     to it would wait forever; rank 1's node still ends, within seconds of its timeout, naming rank 0 and its
@@ -157,4 +155,7 @@ def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(m
                         text.strip().splitlines()[-1]), text[-3000:]
     print(f"n2's launcher ended {time.monotonic() - stopped:.1f} s after the SIGSTOP")
     rc, text = wait(*la, max(1.0, stopped + ENDED_WITHIN_S - time.monotonic()))
+    if rc is None:  # what is left of the launch is killed by make_hosts
+        pytest.xfail("issue 34, not fixed yet: n1's launcher never ends: its torchrun agent (which also hosts the "
+                     "rendezvous) sees its one worker stopped, not failed, and nothing tells it that n2's ended")
     assert rc == 1, f"n1's launcher did not end {ENDED_WITHIN_S} s after the SIGSTOP:\n{text[-3000:]}"
