@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from tests.conftest import (
+    GROUPNORM,
     PY,
     ROOT,
     TINY,
+    after_import,
+    assert_trained_alike,
     clean_env,
     copy_run,
     latest_state,
@@ -29,6 +32,7 @@ from tests.conftest import (
     train_losses,
 )
 from tests.procs import children, environ
+from tests.test_promises import RECORD_READS, reads_by_epoch
 from train import checkpoint, config, optim
 
 
@@ -88,25 +92,42 @@ def test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank(tm
     assert s["steps"] == 8 and s["ranks_in_sync"], s
 
 
-def test_world_size_2_then_1_then_3_continues_from_the_samples_seen(tmp_path):
-    """48 samples a step: 2 ranks x 3 micro-steps, 1 x 6, 3 x 2. Each resume reads the tensors saved by
-    another number of ranks (DCP reshards on load) and continues after the samples seen."""
-    args = ["train.global_batch_size=48", "train.micro_batch_size=8"]
-    run_train(tmp_path, *args, "train.steps=3", nproc=2)  # 144 samples
-    proc = run_train(tmp_path, *args, "train.steps=5")  # 240
-    assert "world size changed from 2 to 1" in proc.stdout + proc.stderr
-    assert "at step 3 (epoch 0, 144 samples into it)" in proc.stdout, proc.stdout
-    # 3 ranks x 8 a micro-batch read 240 of an epoch (the tail of 16 < one per rank is dropped): step 5 ends
-    # epoch 0, step 7 is 96 samples into epoch 1
-    proc = run_train(tmp_path, *args, "train.steps=7", nproc=3)
-    assert "world size changed from 1 to 3" in proc.stdout + proc.stderr
-    assert "at step 5 (epoch 0, 240 samples into it)" in proc.stdout, proc.stdout
-    state = latest_state(tmp_path)
-    assert state["step"] == 7 and state["world_size"] == 3 and len(state["rng"]) == 3
+# 24 samples a step (2 ranks x 3 micro-steps of 4, 1 x 6, 3 x 2) of 120 an epoch: 5 steps an epoch at each of
+# these world sizes, no tail dropped, so a resized run reads the samples of an uninterrupted one. GroupNorm (no
+# batch statistics) and a constant learning rate (warm-up 0, no decay: the schedule does not depend on the
+# train.steps each segment ends at), so that it also ends with the same weights, up to rounding.
+RESIZED = [*GROUPNORM, "task.image_size=8", "task.train_samples=120", "task.eval_samples=16",
+           "train.global_batch_size=24", "train.micro_batch_size=4", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0"]
+
+
+def test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_uninterrupted_run(tmp_path):
+    """2 ranks under FSDP to step 3, one process (DDP) to step 7, across the end of epoch 0, then 3 ranks under
+    FSDP to step 9. Each resume reads tensors saved by another number of ranks (DCP reshards on load) and
+    continues after the samples seen: each epoch's samples are those of an uninterrupted 2-rank run, none
+    twice, and the weights are its weights but for the rounding of another batch split."""
+    env = after_import(tmp_path, "train.data", RECORD_READS)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for name in ("ref", "run"):
+        (tmp_path / f"{name}-reads").mkdir()
+    run_train(ref, *RESIZED, "train.steps=9", nproc=2, env=env | {"READS_DIR": str(tmp_path / "ref-reads")})
+    said = []
+    for world, steps, strategy in ((2, 3, "fsdp"), (1, 7, "ddp"), (3, 9, "fsdp")):
+        proc = run_train(run, *RESIZED, f"train.steps={steps}", f"dist.strategy={strategy}", nproc=world,
+                         env=env | {"READS_DIR": str(tmp_path / "run-reads")})
+        said.append(proc.stdout + proc.stderr)
+    assert "world size changed from 2 to 1" in said[1] and "at step 3 (epoch 0, 72 samples into it)" in said[1]
+    assert "world size changed from 1 to 3" in said[2] and "at step 7 (epoch 1, 48 samples into it)" in said[2]
+    state = latest_state(run)
+    assert state["step"] == 9 and state["world_size"] == 3 and len(state["rng"]) == 3
     assert (state["data"]["epoch"], state["data"]["samples_in_epoch"]) == (1, 96), state["data"]
-    assert sorted(train_losses(tmp_path)) == list(range(1, 8))
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
-    assert summary(tmp_path)["ranks_in_sync"]
+    assert sorted(train_losses(run)) == list(range(1, 10)) and summary(run)["ranks_in_sync"]
+    a, b = reads_by_epoch(tmp_path / "ref-reads"), reads_by_epoch(tmp_path / "run-reads")
+    assert sorted(a) == sorted(b) == [0, 1] and len(a[0]) == 120 and len(a[1]) == 96
+    for epoch in a:
+        assert sorted(b[epoch]) == sorted(a[epoch]), f"epoch {epoch}: samples read twice, or others"
+    losses, ref_losses = train_losses(run), train_losses(ref)
+    assert [losses[s] for s in (1, 2, 3)] == [ref_losses[s] for s in (1, 2, 3)]  # FSDP on 2 ranks: DDP's, bitwise
+    assert_trained_alike(latest_state(ref)["model"], state["model"])
 
 
 def test_the_export_loads_in_a_bare_interpreter(tmp_path, finished_two_ranks):

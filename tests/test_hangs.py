@@ -13,8 +13,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TINY, clean_env, metrics
-from tests.procs import finish, launch, wait_for, workers
+from tests.procs import wait_for, workers
 from tests.test_hosts import node, wait
 
 SPIN_TASK = '''
@@ -56,10 +58,15 @@ def start(make_hosts, tmp_path: Path, *overrides: str):
     over = [*TINY, *TIMEOUT, *overrides]
     pa = a.popen(node(run, *ARGS, "--rdzv-id=hang", overrides=over), clean_env(), tmp_path / "a.log")
     pb = b.popen(node(run, *ARGS, "--rdzv-id=hang", overrides=over), clean_env(), tmp_path / "b.log")
+    def both():
+        on = workers(pa.pid), workers(pb.pid)
+        return on if all(on) else None
+
     # Ranks follow the nodes' addresses (torch's rendezvous sorts them): n1's is rank 0, n2's rank 1.
-    ranks = wait_for(lambda: workers(pb.pid), 120, "the worker on n2")
-    assert list(ranks) == [1], ranks
-    return run, (pa, tmp_path / "a.log"), (pb, tmp_path / "b.log"), ranks[1]
+    on_a, on_b = wait_for(both, 120, "the workers on n1 and n2")
+    assert list(on_a) == [0] and list(on_b) == [1], (on_a, on_b)
+    ranks = on_a | on_b
+    return run, (pa, tmp_path / "a.log"), (pb, tmp_path / "b.log"), ranks
 
 
 def last_lines(*launches) -> list[tuple[int, str, str]]:
@@ -89,17 +96,30 @@ def test_a_rank_stuck_in_python_is_named_with_its_host_collective_and_line(make_
     assert max(m["step"] for m in metrics(run) if "loss" in m) == 3
 
 
-def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
-    run, la, lb, pid = start(make_hosts, tmp_path)
+def freeze_at_step_3(make_hosts, tmp_path: Path, rank: int):
+    """Both nodes' launches, rank `rank` frozen (SIGSTOP) once step 3 is logged; the monotonic time it froze."""
+    run, la, lb, ranks = start(make_hosts, tmp_path)
     wait_for(lambda: (run / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(run)), 120,
              "step 3")
-    os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
+    os.kill(ranks[rank], signal.SIGSTOP)
+    return run, la, lb, time.monotonic()
+
+
+# The most a frozen rank's job takes to end, from the freeze: the others' collective timeout (12 s), torchrun's
+# grace for the frozen rank before its SIGKILL (30 s in torch 2.14, whatever --stop-timeout says:
+# tests/test_elastic.py), and the launchers' own ending. Measured: 32 s (rank 1 frozen).
+ENDED_WITHIN_S = 12 + 30 + 18
+
+
+def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
+    run, la, lb, stopped = freeze_at_step_3(make_hosts, tmp_path, 1)
     for rc, last, text in last_lines(la, lb):
         assert rc == 1, text[-3000:]
         assert re.fullmatch(r"error: rank 1 on n2 did not join (broadcast|all_reduce) #\d+ \(rank 0 waited 12 s\); "
                             r"rank 1 did not answer \(stopped or frozen\); every rank's stack: \S+", last), text[-3000:]
-    print(f"both launchers ended {time.monotonic() - stopped:.1f} s after the SIGSTOP")
+    took = time.monotonic() - stopped
+    print(f"both launchers ended {took:.1f} s after the SIGSTOP")
+    assert took < ENDED_WITHIN_S, took
     assert (run / "logs" / "rank0.stacks.txt").exists() and not (run / "logs" / "rank1.stacks.txt").exists()
 
 
@@ -123,15 +143,19 @@ def test_the_line_names_every_rank_that_did_not_join_and_ranges_of_the_ones_that
         hang.PEERS.clear()
 
 
-def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(tmp_path):
+def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(make_hosts, tmp_path):
     """Rank 0's process serves the group's store (env://): frozen, it takes the store with it. A new connection
-    to it would wait forever; the others still end, within seconds of their timeout, naming it."""
-    proc = launch(tmp_path, "dist.timeout_s=10", "train.steps=40", launcher=("--nproc-per-node=2", "--stop-timeout=5"))
-    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(tmp_path)),
-             120, "step 3")
-    os.kill(workers(proc.pid)[0], signal.SIGSTOP)
-    rc, out, err = finish(proc, timeout=120)
-    assert rc == 1, err[-3000:]
-    assert re.fullmatch(r"error: rank 0 on \S+ did not answer \(stopped or frozen, or its host was lost: it holds the "
-                        r"process group's store\); rank 1 waited 10 s in (broadcast|all_reduce) #\d+",
-                        err.strip().splitlines()[-1]), err[-3000:]
+    to it would wait forever; rank 1's node still ends, within seconds of its timeout, naming rank 0 and its
+    host; and so must rank 0's node, whose only worker is the frozen one."""
+    run, la, lb, stopped = freeze_at_step_3(make_hosts, tmp_path, 0)
+    rc, text = wait(*lb, ENDED_WITHIN_S)
+    assert rc == 1, text[-3000:]
+    assert re.fullmatch(r"error: rank 0 on n1 did not answer \(stopped or frozen, or its host was lost: it holds "
+                        r"the process group's store\); rank 1 waited 12 s in (broadcast|all_reduce) #\d+",
+                        text.strip().splitlines()[-1]), text[-3000:]
+    print(f"n2's launcher ended {time.monotonic() - stopped:.1f} s after the SIGSTOP")
+    rc, text = wait(*la, max(1.0, stopped + ENDED_WITHIN_S - time.monotonic()))
+    if rc is None:  # what is left of the launch is killed by make_hosts
+        pytest.xfail("issue 34, not fixed yet: n1's launcher never ends: its torchrun agent (which also hosts the "
+                     "rendezvous) sees its one worker stopped, not failed, and nothing tells it that n2's ended")
+    assert rc == 1, f"n1's launcher did not end {ENDED_WITHIN_S} s after the SIGSTOP:\n{text[-3000:]}"

@@ -1,18 +1,17 @@
 """The language model through the trainer, on real ranks: bf16 with accumulation, a stop and a bitwise resume
-mid-epoch, the windows read across world-size changes, and a malformed shard as one line."""
+mid-epoch, and a malformed shard as one line. (The windows a world-size change reads are the sampler's, the
+same for every task: tests/test_checkpoint_format.py.)"""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import PY, ROOT, after_import, assert_same_training, clean_env, latest_state, metrics, summary
+from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, summary
 from tests.procs import finish, logged_steps, wait_for
-from tests.test_promises import RECORD_READS
 
 # configs/gpt.yaml shrunk: windows of 32 tokens, 64 of them (4 steps of 16 an epoch), 2 micro-steps of 4 a rank
 # on 2 ranks (accumulation), bf16 autocast.
@@ -36,13 +35,29 @@ def run_lm(run_dir: Path, *overrides: str, nproc: int = 2, env: dict | None = No
     return proc
 
 
+def assert_no_loss_under_the_entropy_rate(run_dir: Path) -> None:
+    """The built-in corpus is a Markov chain: no model predicts it with a loss under its entropy rate (~1.19 nats
+    a token), but one that sees its targets (the windows' tokens shifted wrongly, a causal mask that lets a
+    position see the next) goes down to 0. A logged loss is a mean over 512 tokens or more: its sampling noise
+    is a few hundredths of a nat, well within the margin."""
+    from train import config
+    from train.tasks.gpt import builtin_entropy
+
+    rate = builtin_entropy(config.load(str(run_dir / "config.yaml"), []).seed).rate
+    losses = {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
+    evals = [m["eval_loss"] for m in metrics(run_dir) if "eval_loss" in m] + [summary(run_dir)["eval_loss"]]
+    assert min(losses.values()) > rate - 0.15, f"a loss under the entropy rate {rate:.3f}: {losses}"
+    assert min(evals) > rate - 0.15, f"an evaluation loss under the entropy rate {rate:.3f}: {evals}"
+
+
 def test_bf16_accumulation_stop_mid_epoch_and_bitwise_resume(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
-    steps = ["train.steps=150", "task.model=tiny"]
+    steps = ["train.steps=40", "task.model=tiny"]
     rc, _, err = finish(subprocess.Popen(lm_cmd(ref, *steps, launcher=True), cwd=ROOT, env=clean_env(),
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          start_new_session=True))
     assert rc == 0, err[-3000:]
+    assert_no_loss_under_the_entropy_rate(ref)
     s = summary(ref)
     assert s["precision"] == "bf16" and s["world_size"] == 2 and s["ranks_in_sync"], s
     assert {"eval_loss", "eval_perplexity"} <= s.keys()
@@ -52,52 +67,18 @@ def test_bf16_accumulation_stop_mid_epoch_and_bitwise_resume(tmp_path):
 
     proc = subprocess.Popen(lm_cmd(run, *steps, launcher=True), cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(lambda: proc.poll() is not None or any(st >= 30 for st in logged_steps(run)), 180, "step 30")
+    wait_for(lambda: proc.poll() is not None or any(st >= 10 for st in logged_steps(run)), 180, "step 10")
     proc.send_signal(signal.SIGTERM)
     rc, _, err = finish(proc)
     assert rc == 75, err[-3000:]
     stopped = latest_state(run)
-    assert 30 <= stopped["step"] < 150 and stopped["data"]["samples_in_epoch"] % 64, stopped["data"]  # mid-epoch
+    assert 10 <= stopped["step"] < 40 and stopped["data"]["samples_in_epoch"] % 64, stopped["data"]  # mid-epoch
     rc, _, err = finish(subprocess.Popen(lm_cmd(run, *steps, launcher=True), cwd=ROOT, env=clean_env(),
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          start_new_session=True))
     assert rc == 0, err[-3000:]
     assert_same_training(ref, run)
     assert summary(run)["eval_loss"] == s["eval_loss"]
-
-
-def _reads(folder: Path) -> dict[int, list[int]]:
-    by_epoch: dict[int, list[int]] = {}
-    for path in folder.iterdir():
-        for line in path.read_text().splitlines():
-            _, epoch, index = map(int, line.split())
-            by_epoch.setdefault(epoch, []).append(index)
-    return by_epoch
-
-
-def test_a_world_size_change_reads_exactly_the_windows_of_an_uninterrupted_run(tmp_path):
-    """2 -> 1 -> 2 ranks across epoch boundaries (4 steps an epoch): the windows read in each epoch are
-    those of one uninterrupted 2-rank run, none twice."""
-    env = after_import(tmp_path, "train.data", RECORD_READS)
-    ref_reads, seg_reads = tmp_path / "ref-reads", tmp_path / "seg-reads"
-    ref_reads.mkdir()
-    seg_reads.mkdir()
-    log = ["train.log_every=1"]
-    run_lm(tmp_path / "ref", "train.steps=14", *log, env=env | {"READS_DIR": str(ref_reads)})
-    for world, steps in ((2, 3), (1, 9), (2, 14)):
-        run_lm(tmp_path / "seg", f"train.steps={steps}", *log, nproc=world, env=env | {"READS_DIR": str(seg_reads)})
-    ref, seg = _reads(ref_reads), _reads(seg_reads)
-    assert sorted(ref) == sorted(seg) == [0, 1, 2, 3], (sorted(ref), sorted(seg))
-    for epoch in ref:
-        assert not [i for i, n in Counter(seg[epoch]).items() if n > 1], f"epoch {epoch}: a window read twice"
-        assert sorted(seg[epoch]) == sorted(ref[epoch]), f"epoch {epoch}: other windows than the uninterrupted run"
-    assert len(ref[3]) == 2 * 16  # 14 steps: 3 whole epochs and 2 steps of the fourth
-    ref_loss = {m["step"]: m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m}
-    seg_loss = {m["step"]: m["loss"] for m in metrics(tmp_path / "seg") if "loss" in m}
-    assert ref_loss.keys() == seg_loss.keys() == set(range(1, 15))
-    # Bitwise while the world size is the uninterrupted run's; after a change only the same windows (a step
-    # of 4 micro-batches on 1 rank rounds differently in bf16, and AdamW carries it on).
-    assert [seg_loss[s] for s in (1, 2, 3)] == [ref_loss[s] for s in (1, 2, 3)]
 
 
 def test_a_malformed_shard_is_one_line_naming_it(tmp_path):

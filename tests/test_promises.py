@@ -162,11 +162,11 @@ if os.environ.get("RANK") == "1":
 
 # ---------------------------------------------------------------- which samples, across world sizes
 
-MICRO, GLOBAL, SAMPLES = 4, 24, 256  # 24 divides over 1, 2 and 3 ranks of 4
-# (world size, train.steps at the end of the segment): 2 ranks to step 3 (72 samples of epoch 0), 1 to step
-# 14 (epoch 0 ends at 256, 80 of epoch 1), 3 to step 22: 80 does not divide by 3, the rest of epoch 1 (176
-# samples, 58 a rank, 56 in whole micro-batches) ends at 248, and 24 samples of epoch 2 follow.
-SEGMENTS = [(2, 3), (1, 14), (3, 22)]
+MICRO, GLOBAL, SAMPLES = 4, 24, 64  # 24 divides over 1, 2 and 3 ranks of 4
+# (world size, train.steps at the end of the segment): 2 ranks to step 1 (24 samples of epoch 0), 1 to step 4
+# (epoch 0 ends at 64 within step 3, 32 of epoch 1), 3 to step 6: 32 does not divide by 3, the rest of epoch 1
+# (32 samples, 10 a rank, 8 in whole micro-batches) ends at 56, and 24 samples of epoch 2 follow.
+SEGMENTS = [(2, 1), (1, 4), (3, 6)]
 
 
 def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
@@ -208,6 +208,16 @@ module.loaders = loaders
 """
 
 
+def reads_by_epoch(folder: Path) -> dict[int, list[int]]:
+    """{epoch: the sample indices read in it} from RECORD_READS' files, over every rank and launch."""
+    by_epoch: dict[int, list[int]] = {}
+    for path in folder.iterdir():
+        for line in path.read_text().splitlines():
+            _, epoch, index = map(int, line.split())
+            by_epoch.setdefault(epoch, []).append(index)
+    return by_epoch
+
+
 def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
     """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
     in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
@@ -219,7 +229,7 @@ def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_
     env["READS_DIR"] = str(reads_dir)
     run = tmp_path / "run"
     for world, steps in SEGMENTS:
-        run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
+        run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}", "task.image_size=8",
                   f"task.train_samples={SAMPLES}", f"train.steps={steps}", nproc=world, env=env)
     by_epoch: dict[int, list[int]] = {}
     processes = list(reads_dir.iterdir())

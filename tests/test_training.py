@@ -8,31 +8,8 @@ import math
 import pytest
 import torch
 
-from tests.conftest import latest_state, run_train, summary
+from tests.conftest import GROUPNORM, assert_trained_alike, latest_state, run_train, summary
 from train import config, data
-
-# No batch statistics (a batch split over ranks is then the same batch), and a gentle lr so that
-# float rounding differences are not amplified by a chaotic start.
-GROUPNORM = ["task.norm=group", "optim.lr=0.005"]
-
-
-def _close(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0) -> None:
-    """a and b trained the same: each tensor differs by less than rtol of how far training moved it from
-    the initial weights (plus atol, an absolute slack on the norm of the difference). Float rounding differs
-    with the batch split (CPU kernels pick other algorithms for other batch sizes; seen here: up to 0.6%
-    after 6 steps), while a wrong average (a sum, a rank's own gradient, a missed micro-batch) moves the
-    weights differently by tens of percent. Tensors of a GPU run's checkpoint load onto the GPU: they are
-    compared on the CPU, where the initial weights are made."""
-    cfg = config.load("configs/default.yaml", ["task.image_size=16", *GROUPNORM])
-    torch.manual_seed(cfg.seed)  # as the trainer does before it builds the model
-    init = cfg.task_class(cfg.task, cfg.seed).model().state_dict()
-    assert a.keys() == b.keys() == init.keys()
-    for k in a:
-        if a[k].is_floating_point():
-            ak, bk = a[k].cpu(), b[k].cpu()
-            moved = (ak - init[k]).norm()
-            assert moved > 0 and (ak - bk).norm() <= rtol * moved + atol, f"{k} differs"
-
 
 # Two ranks x 8 traced by the profiler for two steps (which changes no number): the all-reduce count.
 TRACED = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]
@@ -51,14 +28,14 @@ def groupnorm_runs(tmp_path_factory):
 def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(groupnorm_runs):
     one, two = groupnorm_runs / "whole", groupnorm_runs / "two"
     assert summary(one)["world_size"] == 1 and summary(two)["world_size"] == 2
-    _close(latest_state(one)["model"], latest_state(two)["model"])
+    assert_trained_alike(latest_state(one)["model"], latest_state(two)["model"])
     assert summary(two)["ranks_in_sync"] is True  # every rank ends with bitwise the same weights
 
 
 def test_gradient_accumulation_equals_a_larger_batch(tmp_path, groupnorm_runs):
     accum = tmp_path / "accum"
     run_train(accum, *GROUPNORM, "train.micro_batch_size=4")  # 4 micro-steps of 4
-    _close(latest_state(groupnorm_runs / "whole")["model"], latest_state(accum)["model"])
+    assert_trained_alike(latest_state(groupnorm_runs / "whole")["model"], latest_state(accum)["model"])
 
 
 def _all_reduces(run_dir) -> int:
@@ -84,19 +61,28 @@ def _traced_ops(run_dir) -> list[tuple[str, list]]:
     return [(e["name"], e.get("args", {}).get("Input type", [])) for e in events]
 
 
-@pytest.mark.parametrize("precision,dtype,nproc", [("bf16", "c10::BFloat16", 2), ("fp16", "c10::Half", 1)])
-def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(tmp_path, precision, dtype, nproc):
-    """The convolutions really run in bf16/fp16 (the profiler records their input types), and the gradients
-    are clipped only after the loss scaler divided them back (fp16: clipping the scaled gradients to 1.0
-    would shrink every step by the scale, 65536)."""
+@pytest.mark.parametrize("precision,dtype", [("bf16", "c10::BFloat16"), ("fp16", "c10::Half")])
+def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(tmp_path, precision, dtype):
+    """On 2 ranks under FSDP: the convolutions really run in bf16/fp16 (the profiler records their input types),
+    the parameters are all-gathered in that dtype too (FSDP's MixedPrecisionPolicy: half the traffic; BatchNorm's
+    in fp32, beside its fp32 statistics, which torch's batch_norm does not mix with bf16 weights), while
+    the gradients are reduce-scattered and kept in fp32, as the weights the checkpoint holds; and the gradients
+    are clipped only after the loss scaler divided them back (fp16: clipping the scaled gradients to 1.0 would
+    shrink every step by the scale, 65536)."""
     traced = ["profile.enabled=true", "profile.wait=1", "profile.warmup=0", "profile.active=1"]
     tiny = ["task.image_size=8", "train.steps=3"]  # half-precision convolutions are slow on CPU
-    run_train(tmp_path, f"train.precision={precision}", "train.grad_clip=1.0", *traced, *tiny, nproc=nproc)
+    run_train(tmp_path, f"train.precision={precision}", "train.grad_clip=1.0", "dist.strategy=fsdp", *traced, *tiny,
+              nproc=2)
     s = summary(tmp_path)
     assert s["precision"] == precision and math.isfinite(s["train_loss"]) and math.isfinite(s["eval_loss"])
     ops = _traced_ops(tmp_path)
     convs = [types[0] for name, types in ops if name == "aten::convolution"]
     assert convs and all(t == dtype for t in convs), convs  # forward and backward
+    gathers = [types[0] for name, types in ops if name == "c10d::_allgather_base_"]
+    scatters = [types[0] for name, types in ops if name == "c10d::_reduce_scatter_base_"]
+    assert set(gathers) == {dtype, "float"}, gathers  # float: the BatchNorm layers' own units
+    assert scatters and all(t == "float" for t in scatters), scatters
+    assert all(v.dtype == torch.float32 for v in latest_state(tmp_path)["model"].values() if v.is_floating_point())
     names = [name for name, _ in ops]
     assert "aten::_foreach_norm" in names  # clip_grad_norm_ ran
     if precision == "fp16":
@@ -165,4 +151,4 @@ def test_gpu_ddp_matches_single_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(one, *GROUPNORM, "train.tf32=false", "train.micro_batch_size=16")
     run_train(two, *GROUPNORM, "train.tf32=false", nproc=2)
-    _close(latest_state(one)["model"], latest_state(two)["model"], rtol=1e-3, atol=1e-5)
+    assert_trained_alike(latest_state(one)["model"], latest_state(two)["model"], rtol=1e-3, atol=1e-5)

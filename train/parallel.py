@@ -7,7 +7,8 @@
   its parameters are all-gathered just before its forward (and again before its backward when
   dist.reshard_after_forward frees them), its gradients reduce-scattered after its backward; the root
   unit holds the rest (embeddings, heads). bf16/fp16 (train.precision) all-gathers and computes in that
-  dtype and reduces gradients in fp32; the sharded parameters and the optimizer stay fp32.
+  dtype and reduces gradients in fp32; the sharded parameters and the optimizer stay fp32. BatchNorm layers
+  are units of their own that all-gather in fp32 (their statistics are fp32).
 - Activation checkpointing (train.activation_checkpointing, either strategy): each block keeps only its
   input, and its forward is run again in the backward to get its activations.
 """
@@ -46,6 +47,13 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
 
     p = cfg.train.precision
     mp = MixedPrecisionPolicy(param_dtype=None if p == "fp32" else DTYPES[p], reduce_dtype=torch.float32)
+    if p != "fp32":
+        # BatchNorm's running statistics are fp32 buffers, which torch's batch_norm does not take beside bf16/fp16
+        # weights ("expected scalar type BFloat16 but found Float" at the first step): each BatchNorm is a unit of
+        # its own whose weights stay fp32 (its input stays in the low precision, as under DDP's autocast).
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(norm, reshard_after_forward=d.reshard_after_forward, mp_policy=fp32)
     for block in blocks:  # without blocks: one unit, the whole model gathered at once (no memory saved)
         fully_shard(block, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)

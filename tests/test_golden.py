@@ -1,0 +1,71 @@
+"""Golden numbers: the first losses and evaluations of the ResNet (TINY) and of the tiny language model on 2 CPU
+ranks, compared exactly with tests/golden.json. A change that moves any of them (the initial weights, the data or
+its augmentation, the sampler, the optimizer, the loss, the averaging over ranks) fails here, so that numbers
+move only on purpose. When they are meant to move, write the file again and commit it with the change:
+
+    GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/test_golden.py
+
+(Another torch version or another CPU's kernels can move them too: the file names the torch it was made with.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import metrics, run_train
+from tests.test_lm_train import run_lm
+
+GOLDEN = Path(__file__).with_name("golden.json")
+# The ResNet: finished_two_ranks (conftest) without its saves. The language model: test_lm_train's (windows of 32
+# tokens, 2 ranks x 2 micro-steps of 4) in fp32, 4 layers of width 128.
+RESNET = ["checkpoint.every=0", "train.eval_every=2"]
+LM = ["task.model=tiny", "train.precision=fp32", "train.steps=6", "train.log_every=1", "train.eval_every=3"]
+
+
+def numbers(run_dir: Path) -> dict:
+    """{"loss": {step: loss}, "eval": {step: {metric: value}}} of a run's metrics.jsonl."""
+    out: dict = {"loss": {}, "eval": {}}
+    for m in metrics(run_dir):
+        if "loss" in m:
+            out["loss"][str(m["step"])] = m["loss"]
+        evals = {k: v for k, v in m.items() if k.startswith("eval_")}
+        if evals:
+            out["eval"][str(m["step"])] = evals
+    return out
+
+
+@pytest.fixture(scope="module")
+def golden_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("golden")
+    run_train(root / "resnet", *RESNET, nproc=2)
+    run_lm(root / "lm", *LM)
+    return {"resnet": root / "resnet", "lm": root / "lm"}
+
+
+def test_the_first_losses_of_the_resnet_and_the_language_model_are_the_golden_ones(golden_runs):
+    got = {name: numbers(run) for name, run in golden_runs.items()}
+    if os.environ.get("GOLDEN_UPDATE") == "1":
+        GOLDEN.write_text(json.dumps({"torch": torch.__version__, **got}, indent=1) + "\n")
+        print(f"wrote {GOLDEN}")
+    golden = json.loads(GOLDEN.read_text())
+    for name in got:
+        assert len(got[name]["loss"]) == 6 and got[name]["eval"], got[name]
+        assert got[name] == golden[name], (
+            f"the {name}'s numbers are not the golden ones (torch {torch.__version__}; the file's: {golden['torch']}). "
+            f"If the change meant to move them: GOLDEN_UPDATE=1 pytest tests/test_golden.py, and commit "
+            f"tests/golden.json.\nnow:    {got[name]}\ngolden: {golden[name]}")
+
+
+def test_an_evaluation_without_a_save_before_it_is_the_one_after_a_save(golden_runs, finished_two_ranks):
+    """finished_two_ranks is the golden ResNet run with a save at steps 2 and 4, each before the evaluation of its
+    step; a save gives every rank rank 0's BatchNorm statistics. The golden run saves only at the end: its
+    evaluations at steps 2 and 4 must still use rank 0's statistics on both ranks (evaluate() syncs them), and
+    give the same numbers; the saves change no loss."""
+    plain, saved = numbers(golden_runs["resnet"]), numbers(finished_two_ranks)
+    assert plain["loss"] == saved["loss"]
+    assert sorted(plain["eval"]) == sorted(saved["eval"]) == ["2", "4", "6"]
+    assert plain["eval"] == saved["eval"]
