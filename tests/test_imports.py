@@ -131,7 +131,9 @@ def test_the_leaf_imports_nothing_of_train_and_only_the_standard_library():
     tree = ast.parse(modules[LEAF].read_text())
     outside = {(a.name if isinstance(n, ast.Import) else n.module or "").split(".")[0]
                for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
-    assert outside <= set(sys.stdlib_module_names) | {"__future__"}, outside - set(sys.stdlib_module_names)
+    assert outside <= set(sys.stdlib_module_names) | {"__future__"}, (
+        f"{LEAF} must import only the standard library (python -m train.launch imports it before torch): "
+        f"it imports {sorted(outside - set(sys.stdlib_module_names))}")
 
 
 def test_no_module_imports_the_entry_point_python_m_train():
