@@ -96,7 +96,7 @@ def main() -> None:
 
     out["StepMeter context managers + step_done"] = ms(meter_calls, 2000)
     parts = type("P", (), {"device": torch.device("cpu"), "cfg": cfg})()
-    from train.trainer import to_device
+    from train.data import to_device
 
     out["to_device(batch)"] = ms(lambda: to_device(parts, batch), 2000)
     window = torch.zeros(())

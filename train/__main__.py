@@ -7,7 +7,6 @@ module is imported to check its keys).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,19 +16,10 @@ import traceback
 from pathlib import Path
 
 from train import config
-from train.config import ConfigError
-from train.launch import LAUNCH_ID_VAR  # the id the launcher gives its workers (no torch import)
+from train.config import parse_args
+from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
 
-EXIT_USAGE = 2
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML file (default: configs/default.yaml)", default="configs/default.yaml")
-    p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    return p.parse_args(argv)
 
 
 def _mark_usage_error(run_dir: Path, error: str) -> None:

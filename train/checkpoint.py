@@ -56,14 +56,15 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from train.config import Config, ConfigError, OneLineParser, UsageError, to_dict
+from train.config import Config, OneLineParser, to_dict
 from train.distributed import launch_id, launch_round, sync_buffers
+from train.errors import EXIT_REQUEUE as EXIT_REQUEUE  # a stop after saving: the exit code tests read here
+from train.errors import ConfigError, UsageError
 
 FORMAT = 2
 NAME = re.compile(r"^step_(\d{8})$")  # a checkpoint folder
 OLD_NAME = re.compile(r"^step_(\d{8})\.pt$")  # format 1: one file (convert: python -m train.checkpoint --convert)
 MANIFEST, TRAINER = "manifest.json", "trainer.pt"
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
 # Always a stop (torchrun, Kubernetes, SLURM, Ctrl-C, a hang-up); plus checkpoint.signal. torchrun passes TERM,
 # INT, HUP and QUIT on to the workers as they came; HUP stays ignored where it was (nohup: see train/launch.py).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")

@@ -17,13 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A usage error in the configuration: reported in one line, exit code 2."""
-
-
-class UsageError(Exception):
-    """A usage error of a command-line tool (python -m train.prepare, .export, .checkpoint): one line, exit 2."""
+from train.errors import ConfigError, UsageError  # here too: where every caller has always found them
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -287,6 +281,16 @@ def from_dict(data: dict) -> Config:
 
 
 # ---------------------------------------------------------------- loading and validation
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of `python -m train` (train/__main__.py), which the launcher and the doctor take too."""
+    p = argparse.ArgumentParser(prog="python -m train", description="`python -m train --config configs/X.yaml "
+                                "key.sub=value ...`: the one way to start training.")
+    p.add_argument("--config", help="YAML file (default: configs/default.yaml)", default="configs/default.yaml")
+    p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    return p.parse_args(argv)
+
 
 def load(path: str | None, overrides: list[str]) -> Config:
     """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars)."""

@@ -156,14 +156,14 @@ def worker_context():
     Debian 12's 3.11.2 have it): the child waits forever on a lock another thread held at the fork, and its rank
     waits forever for its batch. The fork server is started by fork+exec (no Python runs in the forked
     child before the exec) and is single-threaded, so the workers it forks are safe. It preloads
-    train.loader_server: stop signals ignored (inherited by every worker), torch and this module
-    imported once (a worker starts in a few ms). It ends when this process does (its pipe closes), and
+    train.loader_server first (stop signals ignored, inherited by every worker), then this module, torch
+    with it: imported once, a worker starts in a few ms. It ends when this process does (its pipe closes), and
     the workers then end too (torch's workers watch their parent).
 
     The cost: a worker's arguments are pickled, the dataset among them; its tensors go through shared
     memory (moved there once, then passed as file descriptors), an ImageFolder's file list is copied."""
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.loader_server"])
+    ctx.set_forkserver_preload(["train.loader_server", "train.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
     # started once per process; a fork server that died (SIGKILL) is started again at the next worker.
     multiprocessing.forkserver.ensure_running()
@@ -202,3 +202,17 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
     eval_keys = [(i, 0) for i in range(rank, len(eval_set), world_size)]
     evaluation = DataLoader(eval_set, batch_size=micro, sampler=eval_keys, **(opts | {"persistent_workers": False}))
     return TrainStream(train, sampler, world_size), evaluation
+
+
+def to_device(parts, batch):
+    """A collated batch (tensors, or tuples, lists and dicts of them) on the device of `parts` (the trainer's
+    Parts); images (4-D floating tensors) in channels_last when train.channels_last is set."""
+    if torch.is_tensor(batch):
+        fmt = (torch.channels_last if parts.cfg.train.channels_last and batch.dim() == 4
+               and batch.is_floating_point() else torch.contiguous_format)
+        return batch.to(parts.device, non_blocking=True, memory_format=fmt)
+    if isinstance(batch, dict):
+        return {k: to_device(parts, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(parts, v) for v in batch)
+    return batch

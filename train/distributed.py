@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train.config import ConfigError
+from train.errors import LAUNCH_ID_VAR, ConfigError
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -294,8 +294,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 def launch_id() -> str | None:
     """The id train/launch.py gives each of its launches (None under a bare torchrun, srun or python)."""
-    from train.launch import LAUNCH_ID_VAR
-
     return os.environ.get(LAUNCH_ID_VAR) or None
 
 

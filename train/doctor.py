@@ -20,7 +20,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-EXIT_USAGE = 2
+from train.errors import EXIT_USAGE
+
 SHM_MIN_GIB = 1.0
 
 
@@ -232,10 +233,9 @@ def run(cfg, denv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from train import config
-    from train.__main__ import parse_args
     from train.config import ConfigError
 
-    args = parse_args(argv)
+    args = config.parse_args(argv)
     try:
         cfg = config.load(args.config, args.overrides)
         from train import distributed

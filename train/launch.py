@@ -46,10 +46,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from train import config
-from train.config import ConfigError
+from train.errors import EXIT_REQUEUE, EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
 
-EXIT_USAGE = 2
-EXIT_REQUEUE = 75  # the same code a worker exits with after a signal-triggered checkpoint
 # The launcher's own code for "stopped after a checkpoint, relaunch me" where a scheduler needs another one
 # (3-255): the PyTorchJob's restartPolicy ExitCode retries only 128-255 (k8s/pytorchjob.yaml sets 143).
 REQUEUE_CODE_VAR = "REQUEUE_EXIT_CODE"
@@ -60,7 +58,6 @@ GRACE_MARGIN_S = 20
 # Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and QUIT
 # on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # this launch's id, given to the workers, written into their markers
 
 # option -> (its environment variables, default)
 OPTIONS = {
@@ -195,9 +192,7 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
 
 def check_training_args(train_args: list[str]) -> config.Config:
     """The same parse `python -m train` does, run once here so a bad config fails before torchrun."""
-    from train.__main__ import parse_args as train_parse
-
-    ns = train_parse(train_args)
+    ns = config.parse_args(train_args)
     return config.load(ns.config, ns.overrides)
 
 

@@ -1,11 +1,12 @@
-"""Preloaded by the fork server of the DataLoader workers (train/data.py, worker_context), nowhere else.
+"""Preloaded by the fork server of the DataLoader workers (train/data.py, worker_context), before train.data.
 
 In the fork server it first ignores every stop signal, so that neither the server (a signal to the whole
 process group reaches it too, and without it no new worker could start) nor any worker it forks (they
 inherit the dispositions from their first instruction) is ended by one: the training process takes the
-signal, checkpoints, and ends them. Then it imports torch and train.data once, so that a worker, a fork of
-the server, starts without importing them. Imported by any other process (the training process must keep
-its own handlers), it changes no signal and imports nothing more.
+signal, checkpoints, and ends them. The server then preloads train.data, torch with it, so that a worker, a
+fork of the server, starts without importing them. Imported by any other process (train.data imports it for
+ignore_stop_signals; the training process must keep its own handlers), it changes no signal. It imports
+nothing of train: it runs before torch is imported.
 """
 
 import signal
@@ -34,6 +35,3 @@ def in_fork_server() -> bool:
 
 if in_fork_server():
     ignore_stop_signals(blocked=True)
-    import torch  # noqa: F401,E402
-
-    import train.data  # noqa: F401,E402

@@ -14,8 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from train.errors import EXIT_USAGE
+
 PANELS = ("loss", "eval accuracy", "learning rate", "throughput (samples/s)")
-EXIT_USAGE = 2
 
 
 class ReportError(ValueError):

@@ -25,12 +25,12 @@ import threading
 import time
 from pathlib import Path
 
+from train.errors import EXIT_REQUEUE, EXIT_USAGE
+
 # submitit's timeout/preemption signal, read when submitit is imported (here and in the job). SIGTERM,
 # not its default SIGUSR2: SLURM signals every process of a job step, and SIGTERM is the one the
 # launcher, torchrun and the workers all handle (as a stop); torchrun would die on SIGUSR2.
 PREEMPT_SIGNAL = "TERM"
-EXIT_USAGE = 2
-EXIT_REQUEUE = 75
 ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 

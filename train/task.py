@@ -32,7 +32,7 @@ from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.config import ConfigError
+from train.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 
 from train import data, distributed, hang, optim, parallel
-from train.checkpoint import EXIT_REQUEUE, Checkpointer, SaveError, check_fresh_start
+from train.checkpoint import Checkpointer, SaveError, check_fresh_start
 from train.config import Config, ConfigError
+from train.data import to_device
+from train.errors import EXIT_REQUEUE
 from train.log import RunLog, check_tracker
 from train.metrics import StepMeter
 from train.task import Task
@@ -90,20 +92,6 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
         raise ConfigError(f"task {parts.cfg.task_name}: eval_step() must return a \"count\" > 0 with its sums")
     means = parts.task.summarize({k: v / count for k, v in totals.items()})
     return {f"eval_{k}": float(v) for k, v in means.items()}
-
-
-def to_device(parts: Parts, batch):
-    """A collated batch (tensors, or tuples, lists and dicts of them) on the device; images (4-D floating
-    tensors) in channels_last when train.channels_last is set."""
-    if torch.is_tensor(batch):
-        fmt = (torch.channels_last if parts.cfg.train.channels_last and batch.dim() == 4
-               and batch.is_floating_point() else torch.contiguous_format)
-        return batch.to(parts.device, non_blocking=True, memory_format=fmt)
-    if isinstance(batch, dict):
-        return {k: to_device(parts, v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(parts, v) for v in batch)
-    return batch
 
 
 def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Tensor:

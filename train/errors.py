@@ -1,0 +1,20 @@
+"""The bottom of the package: the error types, exit codes and names that every layer shares.
+
+It imports nothing of train and nothing outside the standard library (tests/test_imports.py checks), so any
+module may import it, the launcher before torch, without closing a circle. The imports point one way:
+entry points (python -m train, train.launch, .prepare, .export, .report, .doctor, .submit) -> the trainer ->
+its components (data, checkpoints, distributed setup, logs) -> config -> this module.
+"""
+
+
+class ConfigError(ValueError):
+    """A usage error in the configuration: reported in one line, exit code 2."""
+
+
+class UsageError(Exception):
+    """A usage error of a command-line tool (python -m train.prepare, .export, .checkpoint): one line, exit 2."""
+
+
+EXIT_USAGE = 2  # a usage error (bad config, bad arguments): one line; launchers do not retry it
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
+LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # the id train/launch.py gives each launch: its workers' markers carry it
