@@ -468,3 +468,19 @@ def test_an_async_save_that_fails_while_the_run_ends_on_another_error_is_one_mor
     (piece,) = offline_runs(tmp_path / "run")
     exits = [r.exit for r in wandb_records(next(piece.glob("*.wandb"))) if r.WhichOneof("record_type") == "exit"]
     assert [e.exit_code for e in exits] == [1], exits
+
+
+def test_the_resume_table_names_real_tests():
+    """checkpoint.RESUME_CASES is the one list of what a start does with the checkpoints it finds: every case
+    names the tests that show it, and each of those exists (a renamed or deleted test breaks the table)."""
+    import ast
+
+    defined: dict[str, set[str]] = {}
+    for _, (outcome, tests) in checkpoint.RESUME_CASES.items():
+        assert outcome and tests
+        for test in tests:
+            file, name = test.split("::")
+            if file not in defined:
+                tree = ast.parse((ROOT / "tests" / file).read_text())
+                defined[file] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert name in defined[file], f"RESUME_CASES names {test}, which does not exist"

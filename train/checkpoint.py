@@ -539,6 +539,59 @@ class _BackgroundWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+# What a start does with the checkpoints it finds: every case, once. Checkpointer.find_resume picks the candidates,
+# Checkpointer.resume tries them; check_fresh_start guards resume=never. Each case names the tests that show it
+# (tests/test_resume.py::test_the_resume_table_names_real_tests keeps them real): a case is added here with its test.
+RESUME_CASES = {
+    "auto, no checkpoint": (
+        "a fresh run from step 0",
+        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
+    "auto, the run's own checkpoints": (
+        "the newest complete one (not newer than `latest`), bitwise as an uninterrupted run",
+        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
+         "test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
+    "auto, the newest corrupt (any rank's share)": (
+        "one warning each, all ranks fall back to the newest that loads; the newer ones are set aside",
+        ["test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
+         "test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
+         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+    "auto, none loads": (
+        "refused (exit 2) with the newest one's problem and the ways out; every checkpoint stays, nothing trained",
+        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+    "another model or optimizer": (
+        "refused (exit 2), naming the config keys and tensors that differ; nothing is written",
+        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+    "another world size or strategy (DDP, FSDP)": (
+        "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
+        ["test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
+         "uninterrupted_run", "test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
+    "another seed": (
+        "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
+        ["test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
+         "test_resume.py::test_resume_never_and_resume_from_a_path"]),
+    "an earlier format (one .pt file)": (
+        "refused (exit 2) with the `python -m train.checkpoint --convert` command, which converts it",
+        ["test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
+         "test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
+    "the previous release's checkpoint": (
+        "resumes bitwise as an uninterrupted run of this release",
+        ["test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
+    "PATH, the run directory holds none of its own": (
+        "a new run (a branch, a fine-tune) from PATH; refused (exit 2) if nothing there loads",
+        ["test_resume.py::test_resume_never_and_resume_from_a_path",
+         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+    "PATH, the run directory holds its own": (
+        "a relaunch: continues from its own as auto does, PATH last",
+        ["test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
+    "PATH inside the run directory": (
+        "a rollback, once: the later checkpoints are set aside, the saves after it record it",
+        ["test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
+    "never, the run directory holds a run": (
+        "refused (exit 2): nothing is overwritten",
+        ["test_launcher.py::test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried"]),
+}
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, rank: int, world_size: int, log):
         self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
@@ -847,7 +900,8 @@ class Checkpointer:
         raise ConfigError(f"resume: {p} is neither a checkpoint folder nor a folder holding checkpoints")
 
     def resume(self, parts) -> bool:
-        """Load the best complete checkpoint into parts; False when starting fresh."""
+        """Load the best complete checkpoint into parts; False when starting fresh. What it does in each case
+        is RESUME_CASES (above the class)."""
         self.wait()  # this process's own save and deletions, if any, are done: what is left over is a killed one's
         if self.rank == 0:
             (self.cfg.run_dir / "STOPPED").unlink(missing_ok=True)
