@@ -14,7 +14,7 @@
 # The GPU driver is mounted at run time by the NVIDIA container toolkit (docker --gpus, the Kubernetes
 # device plugin, enroot/pyxis); enroot and a default nvidia runtime inject it only when the image sets
 # NVIDIA_VISIBLE_DEVICES (below; --gpus and the device plugin override it with the GPUs they grant).
-# The CUDA 13 wheels need an NVIDIA driver >= 580 and a Turing or newer GPU (see the README).
+# The CUDA 13 wheels need an NVIDIA driver >= 580 and a Turing or newer GPU (see docs/containers.md).
 # Python: the same minor as CI (3.11), so pip resolves the same cp311 wheels of the same pins CI tests; but
 # a later patch release than CI's 3.11.7, which has CPython gh-112275 (a process forked while another
 # thread holds the runtime's lock hangs in the child; fixed for 3.11 by PR 112336, merged in September

@@ -39,7 +39,7 @@ train-local: venv
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The checkpoint and resume tests under another Python the README names (CI: 3.13; a checkpoint's pickled
+# The checkpoint and resume tests under another Python docs/testing.md names (CI: 3.13; a checkpoint's pickled
 # classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
 OTHER_PYTHON ?= python3.13
 OTHER_TESTS ?= tests/test_resume.py tests/test_checkpoint_format.py
@@ -58,7 +58,7 @@ bench: dev
 clean-runs:
 	rm -rf runs
 
-# Containers (see "Containers and Kubernetes" in the README; tests/test_container.py builds and runs them).
+# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_container.py builds and runs them).
 #   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
 #   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)
 #   make compose-down           remove its containers (the runs volume with the checkpoints stays)
@@ -83,7 +83,7 @@ compose-down:
 	IMAGE=$(IMAGE) $(COMPOSE) -p $(COMPOSE_PROJECT) --profile gpu --profile cpu down
 
 # SLURM on this machine (root; needs: apt-get install slurmctld slurmd slurm-client munge): a real
-# 2-node cluster (n1, n2 on 127.0.0.1) to try slurm/train.sbatch. See "SLURM" in the README.
+# 2-node cluster (n1, n2 on 127.0.0.1) to try slurm/train.sbatch. See "A cluster on this machine" in docs/slurm.md.
 #   make slurm-local-up         start munge, slurmctld and one slurmd per node (NODES=2)
 #   make slurm-local-down       stop what slurm-local-up started
 NODES ?= 2

@@ -249,7 +249,7 @@ def test_metadata_written_by_python_3_11_2_loads_and_its_getattr_reaches_enum_me
 
 def test_metadata_that_names_a_class_where_another_python_moved_it_loads(tmp_path, monkeypatch):
     """Python 3.13 pickles pathlib.PosixPath as pathlib._local.PosixPath (DCP's .metadata holds the folder's
-    path): a checkpoint written on one Python resumes on any other the README names. A submodule of an
+    path): a checkpoint written on one Python resumes on any other docs/checkpoints.md names. A submodule of an
     allowed module reaches only that module's allowed classes, and is never imported."""
     import io
     import pathlib

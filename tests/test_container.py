@@ -290,7 +290,7 @@ def test_docker_run_arguments_reach_training(image, args):
 
 @pytest.fixture(scope="module")
 def uninterrupted(image) -> Path:
-    """`docker run` as the README shows it, read-only root, user 10001: 2 CPU ranks, 40 steps, to the end."""
+    """`docker run` as docs/containers.md shows it, read-only root, user 10001: 2 CPU ranks, 40 steps, to the end."""
     name = f"ddp-test-{uuid.uuid4().hex[:8]}"
     docker("volume", "create", name)
     try:

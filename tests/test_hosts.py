@@ -145,8 +145,8 @@ def test_losing_the_rendezvous_host_ends_the_others_in_one_line_and_a_restart_re
     print(f"node b ended {took:.1f} s after node a was lost; its output:\n{log_b[-5000:]}")
     assert rc_b == 1, log_b[-3000:]
     assert log_b.strip().splitlines()[-1].startswith("error: the rendezvous host node-a:29400 was lost"), log_b[-3000:]
-    # "Within seconds" (README): 3-7 s on a loaded 2-core machine; well before dist.timeout_s (20 s), after
-    # which a collective left hanging on the lost host would have ended node b anyway.
+    # "Within seconds" (docs/fault-tolerance.md): 3-7 s on a loaded 2-core machine; well before dist.timeout_s
+    # (20 s), after which a collective left hanging on the lost host would have ended node b anyway.
     assert "Traceback" not in log_b and took < 20, took
     pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a2.log")
     pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b2.log")

@@ -715,7 +715,7 @@ def _kueue_option(path: Path) -> tuple[str, dict]:
 
 def test_both_jobs_carry_the_kueue_queue_label_as_an_option():
     """Uncommenting the label gives a job that its CRD accepts, labelled with the LocalQueue, and otherwise
-    the same job (Kueue then creates it suspended and starts it when the queue admits it: the README)."""
+    the same job (Kueue then creates it suspended and starts it when the queue admits it: docs/kubernetes.md)."""
     import jsonschema
 
     for path, job, validator in (
@@ -847,7 +847,7 @@ def _stop_code(c: dict) -> int:
 def test_exit_codes_preemptions_never_use_up_the_retries_and_a_usage_error_ends_the_job():
     """A job preempted 50 times keeps running, with nothing counted; a usage error ends it on the first pod
     that says it; failures end the TrainJob after backoffLimit, and the PyTorchJob at once (its
-    operator cannot count pods it replaces: the README says so)."""
+    operator cannot count pods it replaces: docs/kubernetes.md says so)."""
     job, runtime, trainjob = _job(), _runtime(), _trainjob()
     pytorch = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
     node = trainer_pod(trainjob, runtime)[1]

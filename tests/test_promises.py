@@ -1,4 +1,4 @@
-"""Promises of the README that no test guarded: the learning-rate schedule, AdamW, the launcher's debug
+"""Promises of the README and docs/ that no test guarded: the learning-rate schedule, AdamW, the launcher's debug
 environment and stop-budget variables, ranks_in_sync saying no, and which samples the ranks read when
 the world size changes. Real processes (python -m train, torchrun, the launcher), real files."""
 
@@ -31,7 +31,7 @@ def adamw_run(tmp_path_factory) -> Path:
 
 
 def expected_lr(step: int) -> float:
-    """The rate of optimizer step `step` (1-based, as metrics.jsonl numbers them), from the README's words:
+    """The rate of optimizer step `step` (1-based, as metrics.jsonl numbers them), from docs/configuration.md:
     a linear warm-up over the first WARMUP steps up to the peak, then half a cosine from the peak down to
     peak x min_lr_ratio, which the schedule reaches as the run ends (after its last step)."""
     if step <= WARMUP:

@@ -778,7 +778,7 @@ class Checkpointer:
         A stop ends with the last save if it is of this step or of the one before: a save in flight
         (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
         and a step trained since it is trained again after the resume. Otherwise this step is saved,
-        blocking. Either way a stop costs at most one step and one save (README: the stop budget)."""
+        blocking. Either way a stop costs at most one step and one save (docs/stops.md: the stop budget)."""
         if self.saved_step is not None and parts.step - self.saved_step <= 1:
             step = self.saved_step
         else:

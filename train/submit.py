@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if shutil.which("sbatch") is None:
-        print("error: sbatch not found: train.submit submits to a SLURM cluster (see the README, SLURM)",
+        print("error: sbatch not found: train.submit submits to a SLURM cluster (see docs/slurm.md)",
               file=sys.stderr)
         return EXIT_USAGE
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # before submitit is imported
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                   srun_args=["--kill-on-bad-exit=1"],
                   setup=[f"cd {ROOT}", f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}",
                          f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
-                         # the stop budget, inside the warning's lead time (see "The stop budget" in the README)
+                         # the stop budget, inside the warning's lead time (see "The stop budget" in docs/stops.md)
                          f"export STOP_TIMEOUT=${{STOP_TIMEOUT:-{max(10, args.signal_delay - 30)}}}"],
                   additional_parameters={"requeue": True})
     if args.gpus_per_node > 0:
