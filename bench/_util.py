@@ -28,9 +28,15 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = 1800, **extra_env: str) -> subprocess.CompletedProcess:
+    import resource
+    import time
+    t, c = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    c2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = c2.ru_utime + c2.ru_stime - c.ru_utime - c.ru_stime
+    print(f"    [{time.time() - t:.1f} s, {cpu:.1f} cpu-s] {' '.join(cmd[1:6])}", flush=True)
     return proc
 
 

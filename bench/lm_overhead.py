@@ -60,7 +60,7 @@ def main() -> None:
     args = p.parse_args()
     steps, every, model, seq, quiet = args.steps, 10, "tiny", 128, ["log.wandb.mode=disabled", "log.report=false"]
     if args.smoke:
-        steps, every, model, seq, args.rounds = 6, 2, "nano", 64, 1
+        steps, every, model, seq, args.rounds = 4, 2, "nano", 64, 1
         quiet = SMOKE_QUIET
     micro, lr, vocab = 16, 3e-3, 64
     ours_t, bare_t, ratios, span_ratios = [], [], [], []

@@ -1,6 +1,6 @@
 """The template's overhead against the DDP loop a user writes, alternated in one run.
 
-    python bench/overhead.py [--rounds 5] [--steps 40] [--json OUT]
+    python bench/overhead.py [--rounds 5] [--steps 40] [--json OUT] [--runs-dir DIR]
 
 Speed: `python -m train` (logging every 10 steps, a checkpoint at the end) against bench/user_ddp.py (the
 tutorial loop: torchvision ImageFolder and transforms, DistributedSampler, a plain torchvision ResNet-18,
@@ -54,17 +54,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--smoke", action="store_true", help="seconds: tiny images, few steps, one round")
     p.add_argument("--json")
+    p.add_argument("--runs-dir", help="write the runs here and keep them (default: a temporary folder); "
+                   "run_all.py --smoke reads its ImageFolder figures from the first round's python -m train")
     args = p.parse_args()
     steps, size, per_class, first, quiet = args.steps, 32, 128, 10, []
     if args.smoke:
-        steps, size, per_class, first, quiet, args.rounds = 6, 16, 8, 2, SMOKE_QUIET, 1
+        steps, size, per_class, first, quiet, args.rounds = 4, 16, 8, 2, SMOKE_QUIET, 1
     micro, workers, lr = 32 if not args.smoke else 8, 1, 0.03
     common = [f"train.steps={steps}", "train.eval_every=0", "checkpoint.every=0", f"train.log_every={first}",
               f"task.image_size={size}", f"data.num_workers={workers}", f"optim.lr={lr}",
               f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}", *quiet]
     ours_t, user_t, ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as d:
-        d = Path(d)
+        d = Path(args.runs_dir or d)
+        d.mkdir(parents=True, exist_ok=True)
         folder = imagefolder(d / "imgs", per_class, size=size)
         for r in range(args.rounds):
             user_dir, ours_dir = d / f"user{r}", d / f"ours{r}"

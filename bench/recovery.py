@@ -65,14 +65,16 @@ def glog_time(line: str) -> float:
 
 
 def once(run_dir: Path, nproc: int, model: str, smoke: bool, extra: list[str]) -> dict[str, float]:
+    # the kill comes after a save (checkpoint.every=5) and well before the run's end (7 steps in the smoke)
     sizes = ["task.image_size=16", "task.train_samples=256", "train.global_batch_size=16",
-             "train.micro_batch_size=8", "train.steps=20"] if smoke else []
+             "train.micro_batch_size=8", "train.steps=14"] if smoke else []
+    kill_at = 7 if smoke else 12
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={nproc}", "--max-restarts=1", "--",
            "--config", "configs/default.yaml", *TINY, *sizes, *extra, f"task.model={model}", f"run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and any(json.loads(x)["step"] >= 12 for x in metrics.read_text().splitlines())):
+    while not (metrics.exists() and any(json.loads(x)["step"] >= kill_at for x in metrics.read_text().splitlines())):
         if proc.poll() is not None:
             raise SystemExit(f"the run ended early: {proc.stderr.read()[-2000:]}")
         time.sleep(0.05)

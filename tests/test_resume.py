@@ -318,12 +318,13 @@ def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(
     assert "at step 4" in proc.stdout and summary(tmp_path)["steps"] == 8
 
 
-def test_resume_never_and_resume_from_a_path(tmp_path, finished_run):
-    fresh, branch = tmp_path / "fresh", tmp_path / "branch"
-    run_train(fresh, "checkpoint.every=2", "resume=never")
+def test_resume_from_a_path(tmp_path, finished_run):
+    """A new run from another run's checkpoint ends with the weights of that run uninterrupted (finished_run:
+    the same 6 steps in one go; resume=never in an empty place: test_stops)."""
+    branch = tmp_path / "branch"
     proc = run_train(branch, f"resume={finished_run / 'checkpoints' / 'step_00000004'}", "train.steps=6")
     assert "at step 4" in proc.stdout
-    assert_same_weights(latest_state(branch)["model"], latest_state(fresh)["model"])
+    assert_same_weights(latest_state(branch)["model"], latest_state(finished_run)["model"])
     proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
     assert "is neither a checkpoint folder nor a folder" in proc.stderr
     # a new run from another run's checkpoint may take a seed of its own (a relaunch of a run may not: test_data)
