@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -254,7 +255,11 @@ def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_p
     os.kill(second[1], signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 1, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("error: rank 1 on "), err[-3000:]
+    # torchrun names the rank it takes for the root cause: the killed rank 1, or rank 0, whose next collective
+    # failed in the same instant (seen in CI); either way the crash, not round 1's stop
+    last = err.strip().splitlines()[-1]
+    crash = r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up"
+    assert re.match(crash, last), err[-3000:]
 
 
 def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_path):

@@ -568,7 +568,7 @@ RESUME_CASES = {
     "another seed": (
         "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
         ["test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
-         "test_resume.py::test_resume_never_and_resume_from_a_path"]),
+         "test_resume.py::test_resume_from_a_path"]),
     "an earlier format (one .pt file)": (
         "refused (exit 2) with the `python -m train.checkpoint --convert` command, which converts it",
         ["test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
@@ -578,7 +578,7 @@ RESUME_CASES = {
         ["test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
     "PATH, the run directory holds none of its own": (
         "a new run (a branch, a fine-tune) from PATH; refused (exit 2) if nothing there loads",
-        ["test_resume.py::test_resume_never_and_resume_from_a_path",
+        ["test_resume.py::test_resume_from_a_path",
          "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
     "PATH, the run directory holds its own": (
         "a relaunch: continues from its own as auto does, PATH last",
