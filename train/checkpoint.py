@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from train.config import Config, OneLineParser, to_dict
@@ -912,9 +912,8 @@ class Checkpointer:
         if error is not None:
             raise ConfigError(error)
         failed: list[str] = []  # "step_00000020 <what is wrong with it>" of each that did not load
-        expected = {"model": _shapes_of(get_model_state_dict(parts.raw))} if candidates else {}
-        if candidates:
-            expected["optimizer"] = _shapes_of(_tensor_state(parts)[0].get("optimizer", {}))
+        tensors = _tensor_state(parts)[0] if candidates else {}  # this run's model and optimizer, as DCP takes them
+        expected = {part: _shapes_of(tensors.get(part, {})) for part in ("model", "optimizer")}
         for path in candidates:
             t = time.perf_counter()
             # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
