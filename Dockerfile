@@ -19,7 +19,7 @@
 # a later patch release than CI's 3.11.7, which has CPython gh-112275 (a process forked while another
 # thread holds the runtime's lock hangs in the child; fixed for 3.11 by PR 112336, merged in September
 # 2024). The template no longer forks from a threaded process (loader workers start from a fork server:
-# train/data.py), but a user's code may, and the image can have the fix for free. Bump the minor with CI.
+# train/parallel/data.py), but a user's code may, and the image can have the fix for free. Bump the minor with CI.
 
 # ---- stage 1: the virtual environment, from the requirement set CI installs and tests
 FROM python:3.11.14-slim-bookworm AS deps

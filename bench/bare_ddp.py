@@ -23,7 +23,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from train import config, data, optim  # noqa: E402
+from train import config, optim  # noqa: E402
+from train.parallel import data  # noqa: E402
 
 out, overrides = Path(sys.argv[1]), sys.argv[2:]
 cfg = config.load("configs/default.yaml", overrides)
@@ -62,7 +63,7 @@ if rank == 0:
 dist.destroy_process_group()
 # Out without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
 # that frees a tensor while Python finalizes aborts the process ("terminate called without an active
-# exception", SIGABRT: CI saw it once here; train/distributed.py's exit_process says more).
+# exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more).
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)

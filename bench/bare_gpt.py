@@ -4,7 +4,7 @@
         --model tiny --vocab-size 64 --seq-len 128 --lr 3e-3
 
 As nanoGPT's train.py does it: DATA_DIR/train.bin (bare uint16 tokens) read through np.memmap, random
-windows drawn with torch.randint on each rank (get_batch), the same GPT (train/model.py: the template's
+windows drawn with torch.randint on each rank (get_batch), the same GPT (train/tasks/gpt_model.py: the template's
 model math, imported), AdamW over nanoGPT's two parameter groups (weight decay on matrices only),
 linear warm-up then cosine decay, clipping at 1.0, and DDP with the template's default settings
 (bucket_cap_mb=25, gradient_as_bucket_view=True). One micro-batch a step (no accumulation); rank 0 prints
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train.model import GPT, preset  # noqa: E402  (the model math only)
+from train.tasks.gpt_model import GPT, preset  # noqa: E402  (the model math only)
 
 p = argparse.ArgumentParser()
 p.add_argument("out", type=Path)
@@ -96,7 +96,7 @@ if rank == 0:
 dist.destroy_process_group()
 # Out without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
 # that frees a tensor while Python finalizes aborts the process ("terminate called without an active
-# exception", SIGABRT: CI saw it once here; train/distributed.py's exit_process says more).
+# exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more).
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)

@@ -37,8 +37,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _util import torchrun, write_json  # noqa: E402
 
-from train import checkpoint, config, optim, parallel  # noqa: E402
-from train.distributed import exit_process  # noqa: E402
+from train import config, optim  # noqa: E402
+from train.checkpoint import checkpointer, dcp_io  # noqa: E402
+from train.parallel import wrapping  # noqa: E402
+from train.parallel.distributed import exit_process  # noqa: E402
 
 
 class _Quiet:
@@ -49,13 +51,13 @@ class _Quiet:
 
 
 def make_parts(name: str, strategy: str = "ddp"):
-    """A Checkpointer's view of a run: the model wrapped as dist.strategy says (train/parallel.py), its
+    """A Checkpointer's view of a run: the model wrapped as dist.strategy says (train/parallel/wrapping.py), its
     optimizer, and the trainer's counters."""
     cfg = config.load(None, [f"task.model={name}", "task.num_classes=1000", "task.image_size=224",
                              "checkpoint.keep=3", "dist.timeout_s=600", f"dist.strategy={strategy}"])
     task = cfg.task_class(cfg.task, cfg.seed)
     net = task.model()
-    wrapped = parallel.wrap(cfg, task, net, torch.device("cpu"))
+    wrapped = wrapping.wrap(cfg, task, net, torch.device("cpu"))
     opt = optim.build(cfg.optim, net)
     position = {"epoch": 0, "samples_in_epoch": 0, "world_size": 2}
     stream = SimpleNamespace(state_dict=lambda: dict(position), load_state_dict=position.update, epoch=0,
@@ -89,7 +91,7 @@ def main() -> None:
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="dist.strategy of the 2 ranks")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    p.add_argument("--async-type", choices=("thread", "process"), default=checkpoint.ASYNC_TYPE.value,
+    p.add_argument("--async-type", choices=("thread", "process"), default=dcp_io.ASYNC_TYPE.value,
                    help="DCP's async_checkpointer_type for checkpoint.async (default: the one train/ uses)")
     p.add_argument("--smoke", action="store_true", help="seconds: ResNet-18, one repeat")
     p.add_argument("--json")
@@ -98,7 +100,7 @@ def main() -> None:
         sys.exit(subprocess.run(torchrun(2, __file__, *sys.argv[1:])).returncode)
     if args.smoke:
         args.model, args.repeats = "resnet18", 1
-    checkpoint.ASYNC_TYPE = checkpoint.dcp.state_dict_saver.AsyncCheckpointerType(args.async_type)
+    dcp_io.ASYNC_TYPE = dcp_io.dcp.state_dict_saver.AsyncCheckpointerType(args.async_type)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     root = [args.dir or (tempfile.mkdtemp(prefix="bench-ckpt-") if rank == 0 else None)]
@@ -116,10 +118,10 @@ def main() -> None:
 
     train_step()  # momentum buffers exist, as in a real checkpoint
     cfg.run.dir = str(root / "run")
-    sync = checkpoint.Checkpointer(cfg, rank, 2, _Quiet())
+    sync = checkpointer.Checkpointer(cfg, rank, 2, _Quiet())
     cfg_async = config.from_dict(config.to_dict(cfg) | {"checkpoint": config.to_dict(cfg.checkpoint) | {"async": True}})
     cfg_async.run.dir = str(root / "run_async")
-    asyn = checkpoint.Checkpointer(cfg_async, rank, 2, _Quiet())
+    asyn = checkpointer.Checkpointer(cfg_async, rank, 2, _Quiet())
     plain, plain_opt = whole_state(cfg, x) if rank == 0 else (None, None)
     state = {"model": plain.state_dict(), "optimizer": plain_opt.state_dict()} if rank == 0 else None
     bare = root / "bare.pt"

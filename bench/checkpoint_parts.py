@@ -35,8 +35,8 @@ import torch.distributed as dist  # noqa: E402
 from _util import torchrun  # noqa: E402
 from checkpoint import _Quiet, make_parts  # noqa: E402
 
-from train import checkpoint  # noqa: E402
-from train.distributed import exit_process  # noqa: E402
+from train.checkpoint import checkpointer, dcp_io  # noqa: E402
+from train.parallel.distributed import exit_process  # noqa: E402
 
 
 def main() -> None:
@@ -59,15 +59,15 @@ def main() -> None:
     parts.optimizer.step()  # momentum buffers exist, as in a real checkpoint
     gc.freeze()  # as train/trainer.py does once the parts are built
     cfg.run.dir = str(root / "run")
-    ckpt = checkpoint.Checkpointer(cfg, rank, 2, _Quiet())
+    ckpt = checkpointer.Checkpointer(cfg, rank, 2, _Quiet())
     state = {"model": parts.raw.state_dict(), "optimizer": parts.optimizer.state_dict()}
     tensors = sorted((t for t in [*state["model"].values(),
                                   *(v for s in state["optimizer"]["state"].values() for v in s.values())]
                       if torch.is_tensor(t)), key=lambda t: t.numel(), reverse=True)
     half = tensors[rank::2]  # each rank's share, by size in turn (as DCP balances the replicated tensors)
     half_bytes = b"".join(t.reshape(-1).numpy().view("uint8").tobytes() for t in half)
-    dcp_tensors, _ = checkpoint._tensor_state(parts)
-    threads = checkpoint._write_threads(dcp_tensors, cfg.checkpoint.threads, 2)
+    dcp_tensors, _ = dcp_io.tensor_state(parts)
+    threads = dcp_io.write_threads(dcp_tensors, cfg.checkpoint.threads, 2)
     n = [0]
 
     def fsynced(name, write):
@@ -78,8 +78,8 @@ def main() -> None:
 
     def dcp_save():
         n[0] += 1
-        writer = checkpoint.dcp.FileSystemWriter(root / f"dcp{n[0]}", sync_files=True, thread_count=threads)
-        checkpoint.dcp.save(dcp_tensors, storage_writer=writer, planner=checkpoint._planner())
+        writer = dcp_io.dcp.FileSystemWriter(root / f"dcp{n[0]}", sync_files=True, thread_count=threads)
+        dcp_io.dcp.save(dcp_tensors, storage_writer=writer, planner=dcp_io.planner())
         if rank == 0:
             shutil.rmtree(root / f"dcp{n[0] - 1}", ignore_errors=True)
 

@@ -3,7 +3,7 @@
     python bench/fsdp_memory.py [--nproc 2] [--model tiny] [--json OUT]
 
 On CPU ranks (gloo), counted after one training step (gradients kept): the tensors themselves, as
-train/parallel.py wraps the model for dist.strategy=ddp and fsdp; a DTensor counts its local shard. FSDP's
+train/parallel/wrapping.py wraps the model for dist.strategy=ddp and fsdp; a DTensor counts its local shard. FSDP's
 share should be about 1/world of DDP's (a little more: shards are padded to equal sizes). Activations and the
 parameters FSDP gathers for one block at a time are not counted (they live only during forward/backward).
 """
@@ -41,14 +41,15 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, out) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from train import config, optim, parallel
+        from train import config, optim
+        from train.parallel import wrapping
 
         cfg = config.load("configs/gpt.yaml", [f"task.model={model}", f"dist.strategy={strategy}",
                                                "optim.name=adamw"])
         torch.manual_seed(0)
         task = cfg.task_class(cfg.task, 0)
         net = task.model()
-        wrapped = parallel.wrap(cfg, task, net, torch.device("cpu"))
+        wrapped = wrapping.wrap(cfg, task, net, torch.device("cpu"))
         optimizer = optim.build(cfg.optim, net)
         T = task.gpt_config().block_size
         x = torch.randint(0, task.gpt_config().vocab_size, (2, T + 1))
@@ -60,7 +61,7 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, out) -> 
             out.put(counts)
     finally:
         dist.destroy_process_group()
-    from train.distributed import exit_process
+    from train.parallel.distributed import exit_process
 
     exit_process(0)  # not through Python's finalization, which DDP's gloo threads can abort (see there)
 
@@ -78,7 +79,8 @@ def measure(model: str, strategy: str, nproc: int) -> list[dict[str, int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", default="tiny", help="a preset of train/model.py: nano, tiny, gpt2 (~2 GB per DDP rank)")
+    p.add_argument("--model", default="tiny",
+                   help="a preset of train/tasks/gpt_model.py: nano, tiny, gpt2 (~2 GB per DDP rank)")
     p.add_argument("--smoke", action="store_true", help="the nano model")
     p.add_argument("--json")
     args = p.parse_args()

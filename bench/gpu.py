@@ -7,7 +7,7 @@
   (DeepLearningExamples); the goal on an H100 is at least 1.5x that.
 - ResNet-18 on CIFAR-sized input (32x32, the CIFAR stem), batch 256, bf16, channels_last.
 - The AMP speed-up: ResNet-50 in bf16 against fp32 (TF32 matmuls, the project's default).
-- GPT-2 small (124M, the `gpt2` preset of train/model.py), 1024-token windows, micro-batch 16, bf16 autocast,
+- GPT-2 small (124M, the `gpt2` preset of train/tasks/gpt_model.py), 1024-token windows, micro-batch 16, bf16 autocast,
   torch.compile, fused AdamW: tokens/s and MFU (nanoGPT's 6N + attention FLOPs per token, against the
   device's dense bf16 peak); llm.c reports about 40% MFU for it on an H100, the goal here.
 One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
@@ -15,7 +15,7 @@ One process, one GPU, the project's model builder; timing with CUDA events after
     torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--json OUT]
 
 - The language model (GPT-2 small, 124M, 1024 tokens, micro-batch 8 per GPU, bf16, AdamW) wrapped by
-  train/parallel.py with DDP and with FSDP (dist.strategy): tokens/s over all GPUs and the peak memory of
+  train/parallel/wrapping.py with DDP and with FSDP (dist.strategy): tokens/s over all GPUs and the peak memory of
   the fullest GPU. `--lm --smoke` runs it on CPU ranks (gloo) with the nano model: a check of the script.
 """
 
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _util import write_json  # noqa: E402
 
-from train.metrics import peak_flops  # noqa: E402
+from train.observe.metrics import peak_flops  # noqa: E402
 from train.tasks.gpt import LanguageModel  # noqa: E402
 from train.tasks.image import ImageClassification  # noqa: E402
 
@@ -104,7 +104,8 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
     """Tokens/s over all ranks and the largest peak of allocated memory of any rank (0 on CPU)."""
     import torch.distributed as dist
 
-    from train import config, optim, parallel
+    from train import config, optim
+    from train.parallel import wrapping
 
     cuda, world = device.type == "cuda", dist.get_world_size()
     cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", "optim.name=adamw",
@@ -112,7 +113,7 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model().to(device)
-    wrapped = parallel.wrap(cfg, task, net, device)
+    wrapped = wrapping.wrap(cfg, task, net, device)
     opt = optim.build(cfg.optim, net)
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)

@@ -1,4 +1,4 @@
-"""What naming a hung rank costs (train/hang.py): its set-up on against off, alternated in one run.
+"""What naming a hung rank costs (train/parallel/hang.py): its set-up on against off, alternated in one run.
 
     python bench/hang_cost.py [--rounds 5] [--steps 60] [--collectives 2000]
 

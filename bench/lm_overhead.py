@@ -5,7 +5,7 @@
 Speed: `python -m train --config configs/gpt.yaml` (the tiny GPT, 0.8M parameters, 128-token windows,
 micro-batch 16 on each of 2 ranks, AdamW, clipping; logging every 10 steps, W&B and the report off, no
 checkpoint but the final one, evaluation only at the end) against bench/bare_gpt.py (nanoGPT's loop: its
-own np.memmap data path and random windows, the same GPT from train/model.py, the same hyper-parameters
+own np.memmap data path and random windows, the same GPT from train/tasks/gpt_model.py, the same hyper-parameters
 and DDP settings), both with 2 gloo processes on CPU, reading the same tokens (the built-in corpus written
 once as nanoGPT's train.bin and val.bin). Each round runs both, in alternating order.
 

@@ -1,4 +1,4 @@
-"""Start-up cost of the loader workers: from the fork server (train/data.py, worker_context) against a fork of
+"""Start-up cost of the loader workers: from the fork server (train/parallel/data.py, worker_context) against a fork of
 the training process (what the template did before; it can hang: CPython gh-112275).
 
     python bench/loader_start.py                 # about 5 minutes on 2 CPU cores
@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from _util import PY, SMOKE_QUIET, run, spread, write_json  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from train import config, data  # noqa: E402
+from train import config  # noqa: E402
+from train.parallel import data  # noqa: E402
 
 TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "train.global_batch_size=16",
         "train.micro_batch_size=8", "train.log_every=1", "train.steps=6", "checkpoint.every=0",

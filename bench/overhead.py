@@ -28,7 +28,7 @@ import torch
 from _util import PY, ROOT, SMOKE_QUIET, imagefolder, run, spread, torchrun, train_records, write_json
 
 sys.path.insert(0, str(ROOT))
-from train import checkpoint  # noqa: E402
+from train.checkpoint import dcp_io  # noqa: E402
 
 GOAL = 1.02
 
@@ -43,7 +43,7 @@ def bitwise_equal(bare_dir: Path, ours_dir: Path, args: list[str]) -> bool:
     """bench/bare_ddp.py with the arguments `python -m train` ran with in ours_dir: the same final weights?"""
     run(torchrun(2, "bench/bare_ddp.py", str(bare_dir), *args))
     latest = (ours_dir / "checkpoints" / "latest").read_text().strip()
-    a = checkpoint.read_state(ours_dir / "checkpoints" / latest, keys=("model",))["model"]
+    a = dcp_io.read_state(ours_dir / "checkpoints" / latest, keys=("model",))["model"]
     b = torch.load(bare_dir / "model.pt", weights_only=True)
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

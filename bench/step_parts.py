@@ -5,7 +5,7 @@
 Times, on rank 0, each piece of train/trainer.py's loop that a bare loop does not have, called the way the
 trainer calls it, between real training steps of the task's model (so the ranks arrive at a collective
 as they do in training: after DDP's last all-reduce of the step): the stop all-reduce
-(Checkpointer.stop_agreed), the StepMeter's context managers, RunLog.advance, to_device, the loss-window
+(StopRequest.agreed), the StepMeter's context managers, RunLog.advance, to_device, the loss-window
 bookkeeping, the per-sample RNG seeding of SeededSamples (in the main process here; a loader worker does
 it in training), and the loader's hand-over of a batch (next() on the template's DataLoader with one
 forkserver worker against the bare loop's batch). Printed, not asserted.
@@ -25,8 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from train import config, data, optim  # noqa: E402
-from train.metrics import StepMeter  # noqa: E402
+from train import config, optim  # noqa: E402
+from train.observe.metrics import StepMeter  # noqa: E402
+from train.parallel import data  # noqa: E402
 
 N = 30
 BLOCKS = int(os.environ.get("BLOCKS", "6"))
@@ -82,7 +83,7 @@ def main() -> None:
 
     dist.barrier()
     out["step (forward, backward, AdamW/SGD step), ms"] = ms(step, 10)
-    between_steps("stop all-reduce after a step (stop_agreed)", stop_allreduce)
+    between_steps("stop all-reduce after a step (StopRequest.agreed)", stop_allreduce)
     dist.barrier()
     out["stop all-reduce, ranks already together"] = ms(stop_allreduce, 200)
     meter = StepMeter(torch.device("cpu"), world, cfg.train.micro_batch_size)
@@ -96,7 +97,7 @@ def main() -> None:
 
     out["StepMeter context managers + step_done"] = ms(meter_calls, 2000)
     parts = type("P", (), {"device": torch.device("cpu"), "cfg": cfg})()
-    from train.data import to_device
+    from train.parallel.data import to_device
 
     out["to_device(batch)"] = ms(lambda: to_device(parts, batch), 2000)
     window = torch.zeros(())
@@ -118,7 +119,7 @@ def main() -> None:
     between_steps("next(batch) from the template's loader (1 forkserver worker), after a step",
                   lambda: next(batches))
     # The stop all-reduce's net cost: blocks of steps alternating without it, with it (synchronous, as
-    # stop_agreed), and started asynchronously after a step and read after the next one (one step late).
+    # StopRequest.agreed), and started asynchronously after a step and read after the next one (one step late).
     pending = [None, torch.zeros(1)]
 
     def async_stop():

@@ -75,7 +75,7 @@ if rank == 0:
 dist.destroy_process_group()
 # Out without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
 # that frees a tensor while Python finalizes aborts the process ("terminate called without an active
-# exception", SIGABRT: CI saw it once here; train/distributed.py's exit_process says more).
+# exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more).
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)

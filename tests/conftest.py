@@ -106,8 +106,8 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def latest_state(run_dir: Path) -> dict:
-    """The checkpoint `latest` names, as one dict (train.checkpoint.read_state: checked, read in this process)."""
-    from train.checkpoint import read_state
+    """The checkpoint `latest` names, as one dict (dcp_io.read_state: checked, read in this process)."""
+    from train.checkpoint.dcp_io import read_state
 
     ckpt = run_dir / "checkpoints"
     return read_state(ckpt / (ckpt / "latest").read_text().strip())

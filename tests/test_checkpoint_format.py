@@ -33,7 +33,8 @@ from tests.conftest import (
 )
 from tests.procs import children, environ
 from tests.test_promises import RECORD_READS, reads_by_epoch
-from train import checkpoint, config, optim
+from train import config, optim
+from train.checkpoint import dcp_io, storage
 
 
 def _rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
@@ -59,7 +60,7 @@ def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint
                 os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
         proc.communicate(timeout=60)  # torchrun ends the group once a worker died
-        if killed is not None and killed.exists() and not (killed / checkpoint.MANIFEST).exists():
+        if killed is not None and killed.exists() and not (killed / storage.MANIFEST).exists():
             break  # the kill landed mid-save (the folder may have been renamed between the look and the kill)
     assert proc.returncode != 0
     assert killed is not None and killed.exists(), "the kill never landed during a save"
@@ -105,7 +106,7 @@ def test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_unin
     FSDP to step 9. Each resume reads tensors saved by another number of ranks (DCP reshards on load) and
     continues after the samples seen: each epoch's samples are those of an uninterrupted 2-rank run, none
     twice, and the weights are its weights but for the rounding of another batch split."""
-    env = after_import(tmp_path, "train.data", RECORD_READS)
+    env = after_import(tmp_path, "train.parallel.data", RECORD_READS)
     ref, run = tmp_path / "ref", tmp_path / "run"
     for name in ("ref", "run"):
         (tmp_path / f"{name}-reads").mkdir()
@@ -157,7 +158,7 @@ print(json.dumps({{"train": sorted(m for m in sys.modules if m.split(".")[0] == 
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["train"] == [] and got["logits"] == [2, 10], got
-    saved = checkpoint.read_state(finished_two_ranks / "checkpoints" / "step_00000004")["model"]
+    saved = dcp_io.read_state(finished_two_ranks / "checkpoints" / "step_00000004")["model"]
     assert got["sum"] == float(sum(v.double().sum() for v in saved.values()))  # step 4's weights
     for bad, says in [(tmp_path / "nowhere", "is not a folder"), (tmp_path, "holds no complete checkpoint")]:
         proc = subprocess.run([PY, "-m", "train.export", str(bad)], cwd=ROOT, env=clean_env(), capture_output=True,
@@ -180,7 +181,7 @@ def _old_checkpoint(run_dir, step: int) -> dict:
     opt.step()
     state = {"format": 1, "model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {}, "step": step,
              "data": {"epoch": 0, "samples_in_epoch": step * 16, "world_size": 1, "seed": 0},
-             "rng": [checkpoint._rng_state(torch.device("cpu"))], "window": [{"loss": 0.0, "steps": 0}],
+             "rng": [dcp_io.rng_state(torch.device("cpu"))], "window": [{"loss": 0.0, "steps": 0}],
              "eval_pending": False, "world_size": 1, "config": config.to_dict(cfg), "tracker": {"run_id": None}}
     folder = run_dir / "checkpoints"
     folder.mkdir(parents=True)
@@ -225,7 +226,7 @@ def test_metadata_written_by_python_3_11_2_loads_and_its_getattr_reaches_enum_me
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from train.checkpoint import Reader, _MetadataUnpickler
+    from train.checkpoint.dcp_io import MetadataUnpickler, Reader
 
     class Py3112Pickler(pickle.Pickler):
         def reducer_override(self, obj):
@@ -244,7 +245,7 @@ def test_metadata_written_by_python_3_11_2_loads_and_its_getattr_reaches_enum_me
     evil = io.BytesIO()
     pickle.Pickler(evil).dump(type("Evil", (), {"__reduce__": lambda self: (getattr, (Metadata, "__init__"))})())
     with pytest.raises(pickle.UnpicklingError, match="no member of DCP's metadata enums"):
-        _MetadataUnpickler(io.BytesIO(evil.getvalue())).load()
+        MetadataUnpickler(io.BytesIO(evil.getvalue())).load()
 
 
 def test_metadata_that_names_a_class_where_another_python_moved_it_loads(tmp_path, monkeypatch):
@@ -258,7 +259,7 @@ def test_metadata_that_names_a_class_where_another_python_moved_it_loads(tmp_pat
 
     import torch.distributed.checkpoint as dcp
 
-    from train.checkpoint import Reader, _MetadataUnpickler
+    from train.checkpoint.dcp_io import MetadataUnpickler, Reader
 
     moved = type("PosixPath", (), {"__module__": "pathlib._local", "__qualname__": "PosixPath"})
     if "pathlib._local" not in sys.modules:  # before 3.13, make the name resolvable for the pickler
@@ -282,5 +283,5 @@ def test_metadata_that_names_a_class_where_another_python_moved_it_loads(tmp_pat
     assert torch.equal(into["w"], torch.arange(6.0).reshape(2, 3))
     for module, name in (("pathlib._local", "os"), ("pathlib.os", "system"), ("pathlibx", "PosixPath")):
         with pytest.raises(pickle.UnpicklingError, match="none of DCP's metadata classes"):
-            _MetadataUnpickler(io.BytesIO(pickle.dumps(None).replace(b"N", b"c" + f"{module}\n{name}\n".encode(),
+            MetadataUnpickler(io.BytesIO(pickle.dumps(None).replace(b"N", b"c" + f"{module}\n{name}\n".encode(),
                                                                      1))).load()

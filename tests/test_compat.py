@@ -20,7 +20,7 @@ from tests.conftest import (
     train_losses,
 )
 from tests.fixtures.previous_release import FIXTURES, OLD, REGRESSION, RELEASE, STEPS, have, write_old_run
-from train import checkpoint
+from train.checkpoint import convert, dcp_io
 
 LATER = f"train.steps={STEPS + 2}"
 
@@ -67,7 +67,7 @@ def test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise(tmp_path):
     assert list(train_losses(old)) == [1, 2, 3, 4]
     assert_same_first_steps(ref, old, OLD)
     assert_same_training(ref, old)
-    converted = checkpoint.read_state(old / "checkpoints" / "step_00000002", keys=())
+    converted = dcp_io.read_state(old / "checkpoints" / "step_00000002", keys=())
     assert converted["config"]["task"] == latest_state(ref)["config"]["task"]  # OLD_KEYS maps every key
     assert converted["config"]["dist"]["sync_bn"] is False
     assert (old / "checkpoints" / "step_00000002.pt").exists()  # the original stays
@@ -78,8 +78,8 @@ def test_the_class_count_of_an_old_checkpoint_is_read_from_its_weights():
     built-in data's) was not the model's."""
     old = {"data": {"name": "imagefolder", "path": "/data/pets", "num_classes": 10},
            "model": {"name": "resnet18", "sync_bn": True}, "train": {"steps": 9}}
-    new = checkpoint._today_config(old, {"fc.weight": torch.zeros(37, 512)})
-    assert new == {"task": {"name": checkpoint.OLD_TASK, "data": "imagefolder", "path": "/data/pets",
+    new = convert._today_config(old, {"fc.weight": torch.zeros(37, 512)})
+    assert new == {"task": {"name": convert.OLD_TASK, "data": "imagefolder", "path": "/data/pets",
                             "num_classes": 37, "model": "resnet18"}, "dist": {"sync_bn": True},
                    "train": {"steps": 9}}
 

@@ -107,7 +107,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_slurm_step_environment_is_detected():
-    from train import distributed
+    from train.parallel import distributed
 
     env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
            "SLURM_JOB_ID": "1234", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "n1"}

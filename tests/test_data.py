@@ -11,7 +11,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from tests.conftest import copy_run, run_train, summary
-from train import config, data
+from train import config
+from train.parallel import data
 from train.tasks import image
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import clean_env, run_train
-from train import distributed
 from train.config import ConfigError
+from train.parallel import distributed
 
 
 def srun_task(local_id: int, tasks_per_node: int) -> distributed.DistEnv:

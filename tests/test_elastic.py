@@ -297,7 +297,7 @@ def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried
 
 
 def loader_workers(rank: int) -> list[int]:
-    """A rank's DataLoader workers: the children of its fork server (train/data.py), a child of the rank."""
+    """A rank's DataLoader workers: the children of its fork server (train/parallel/data.py), a child of the rank."""
     servers = [p for p in children(rank) if b"multiprocessing.forkserver" in _cmdline(p)]
     return [w for server in servers for w in children(server)]
 

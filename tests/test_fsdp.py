@@ -25,7 +25,7 @@ from tests.conftest import (
     summary,
 )
 from tests.procs import finish, logged_steps, wait_for
-from train import checkpoint
+from train.checkpoint import dcp_io
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
 # micro-steps of 4 (accumulation), clipping that bites (the gradient norm is ~0.3-1 here), dropout (the masks
@@ -109,7 +109,7 @@ def test_activation_checkpointing_recomputes_each_block_once_and_counts_batchnor
     gradients are those without it, and BatchNorm's running statistics count the batch once, not twice."""
     import torchvision
 
-    from train.parallel import _checkpoint
+    from train.parallel.wrapping import _checkpoint
 
     def stage():
         torch.manual_seed(0)
@@ -133,14 +133,15 @@ def test_activation_checkpointing_recomputes_each_block_once_and_counts_batchnor
 def test_the_flop_count_of_a_sharded_model_is_the_whole_models(monkeypatch):
     """MFU's count (FlopCounterMode, for a task without its own) on a sharded model runs a meta-device twin:
     the same count as on the model itself, without touching the random state."""
-    from train import config, parallel
-    from train import metrics as train_metrics
+    from train import config
+    from train.observe import metrics as train_metrics
+    from train.parallel import wrapping
 
     cfg = config.load("configs/default.yaml", ["task.image_size=16", "task.model=resnet18"])
     task = cfg.task_class(cfg.task, 0)
     model, batch = task.model(), (torch.randn(2, 3, 16, 16), torch.tensor([1, 2]))
     whole = train_metrics.flops_per_sample(task, model, batch)
-    monkeypatch.setattr(parallel, "sharded", lambda m: True)
+    monkeypatch.setattr(wrapping, "sharded", lambda m: True)
     state = torch.get_rng_state()
     assert train_metrics.flops_per_sample(task, model, batch) == whole > 0
     assert torch.equal(torch.get_rng_state(), state)
@@ -216,7 +217,7 @@ def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
                   "train.steps=2", f"dist.strategy={strategy}", "checkpoint.every=1", f"checkpoint.async={saving}",
                   nproc=2)
     for step in (1, 2):
-        a, b = (checkpoint.read_state(runs[s] / "checkpoints" / f"step_{step:08d}") for s in ("ddp", "fsdp"))
+        a, b = (dcp_io.read_state(runs[s] / "checkpoints" / f"step_{step:08d}") for s in ("ddp", "fsdp"))
         assert_same_state(a, b, f"step {step}: ")
     assert losses(runs["ddp"]) == losses(runs["fsdp"])
     # FSDP does not broadcast rank 0's BatchNorm statistics at each forward as DDP does: evaluation gives every

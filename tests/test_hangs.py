@@ -1,4 +1,4 @@
-"""A hung rank is named: which rank, on which host, in which collective, and where it was (train/hang.py).
+"""A hung rank is named: which rank, on which host, in which collective, and where it was (train/parallel/hang.py).
 
 Two real hosts (network namespaces, tests/hosts.py), one gloo rank each, real launchers and torchrun agents;
 rank 1 (on host n2) hangs after step 3, either stuck in Python (an endless loop in its dataset's
@@ -124,7 +124,7 @@ def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
 
 
 def test_the_line_names_every_rank_that_did_not_join_and_ranges_of_the_ones_that_waited():
-    from train import hang
+    from train.parallel import hang
 
     hang.PEERS[:] = [(f"n{r // 2}", None) for r in range(8)]
     try:

@@ -142,3 +142,28 @@ def test_no_module_imports_the_entry_point_python_m_train():
         "modules import train/__main__.py (move what they need below it): "
         + ", ".join(f"{modules[m].relative_to(ROOT)}:{graph[m]['train.__main__']}"
                     for m in graph if "train.__main__" in graph[m]))
+
+
+ENTRY_POINTS = ("train.__main__", "train.prepare", "train.export", "train.report", "train.doctor", "train.submit",
+                "train.launch", "train.checkpoint.__main__")
+BOTTOM = ("train.config", "train.task", "train.errors")  # what every layer may import
+
+
+def _layer(module: str) -> int:
+    """0 the bottom, 1 a component (the folders and optim.py), 2 the trainer, 3 an entry point."""
+    if module in BOTTOM:
+        return 0
+    if module == "train.trainer":
+        return 2
+    if any(module == e or module.startswith(e + ".") for e in ENTRY_POINTS) or module == "train":
+        return 3
+    return 1
+
+
+def test_imports_point_down_entry_points_then_the_trainer_then_components_then_config():
+    """No component reaches up to the trainer or an entry point, and config, task and errors import none of
+    them: a reader goes down the layers, never up (a package's __init__ is its folder's docstring)."""
+    graph, modules = _graph()
+    up = [f"{modules[a].relative_to(ROOT)}:{line} imports {b}" for a in graph for b, line in graph[a].items()
+          if _layer(b) > _layer(a)]
+    assert not up, "imports that point up a layer (move what both need down):\n  " + "\n  ".join(up)

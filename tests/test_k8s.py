@@ -422,7 +422,7 @@ def test_a_run_volume_the_pod_cannot_write_stops_it_in_one_line(tmp_path):
 
 
 def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
-    """python -m train itself (no launcher) makes the run directory where it creates it (train/log.py):
+    """python -m train itself (no launcher) makes the run directory where it creates it (train/observe/log.py):
     a file in its place, which fails for any user."""
     (tmp_path / "runs").write_text("not a folder\n")
     run_dir = tmp_path / "runs" / "x"
@@ -686,10 +686,10 @@ def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
 
 def test_grace_period_is_the_stop_budget_plus_the_launchers_margin_in_each_manifest():
     """terminationGracePeriodSeconds (when the kubelet SIGKILLs) = STOP_TIMEOUT (the seconds torchrun gives
-    the workers to save) + train/launch.py's GRACE_MARGIN_S (torchrun's and the launcher's own exit): one
+    the workers to save) + train/launch/command.py's GRACE_MARGIN_S (torchrun's and the launcher's own exit): one
     stop budget, so raising one without the other fails here. The TrainJob's pod is built as the trainer
     builds it (its runtime's pod and env, the TrainJob's env over it)."""
-    from train.launch import GRACE_MARGIN_S
+    from train.launch.command import GRACE_MARGIN_S
 
     worker = _job()["spec"]["pytorchReplicaSpecs"]["Worker"]
     pod, c = trainer_pod(_trainjob(), _runtime())
@@ -839,7 +839,7 @@ def job_state(outcome, exits: list[int], limit: int | None, fails_above: bool = 
 
 def _stop_code(c: dict) -> int:
     """The code the pod's launcher exits with after a checkpoint, with the container's environment."""
-    from train.launch import requeue_exit_code
+    from train.launch.command import requeue_exit_code
 
     return requeue_exit_code(dict(container_env(c, secrets={})))
 
@@ -898,7 +898,7 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
     import signal
     import time
 
-    from train.launch import requeue_exit_code
+    from train.launch.command import requeue_exit_code
 
     outcome = {"PyTorchJob": pytorchjob_outcome, "TrainJob": trainjob_outcome}
     pods = _waiting_pods(tmp_path)
@@ -940,7 +940,7 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
 def test_a_requeue_exit_code_that_means_something_else_is_a_usage_error(monkeypatch, capsys):
     """REQUEUE_EXIT_CODE 0, 1 or 2 would tell the scheduler done, failed or usage error after a healthy stop:
     the launcher refuses it at once, in one line, exit 2, before torchrun."""
-    from train import launch
+    from train.launch import launcher as launch
 
     monkeypatch.setattr(launch.Signals, "install", lambda self: None)  # pytest's own signal handlers stay
     for value in ("0", "1", "2", "256", "x"):

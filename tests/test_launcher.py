@@ -157,7 +157,7 @@ def test_a_killed_loader_worker_is_named_whatever_wording_torch_uses(tmp_path):
     script.write_text(
         "import os, signal, threading, time, torch\n"
         "from torch.utils.data import DataLoader, Dataset\n"
-        "from train.distributed import describe_failure\n"
+        "from train.parallel.distributed import describe_failure\n"
         "class Slow(Dataset):\n"
         "    def __len__(self): return 100\n"
         "    def __getitem__(self, i): time.sleep(0.3 if i else 0); return torch.zeros(1)\n"
@@ -284,14 +284,14 @@ def test_launches_in_a_row_that_fail_without_advancing_the_step_end_in_exit_2(tm
     the launch that makes MAX_FAILED_LAUNCHES in a row, all from the same checkpoint step, exits 2 with one
     line naming the step and the last failure. A launch that advanced the step, even one that then failed,
     starts the count again."""
-    env = after_import(tmp_path, "train.checkpoint", """
+    env = after_import(tmp_path, "train.stops.markers", """
 import os
 if os.environ.get("CRASH") == "start" and "RANK" in os.environ:  # a worker, not the launcher
     raise RuntimeError("a worker that crashes at its start")
 if os.environ.get("CRASH") == "end":
     def finished(self, step):
         raise RuntimeError("a crash after the last save")
-    module.Checkpointer.mark_finished = finished
+    module.Markers.finished = finished
 """)
     run_dir = tmp_path / "run"
 

@@ -20,10 +20,11 @@ import torch
 
 from tests.conftest import PY, ROOT, after_import, clean_env
 from tests.test_lm_train import lm_cmd
-from train import prepare, shards
+from train import prepare
 from train.config import ConfigError
-from train.model import GPT, PRESETS, preset
+from train.tasks import shards
 from train.tasks.gpt import BUILTIN_VOCAB, LanguageModel, builtin_entropy, builtin_tokens
+from train.tasks.gpt_model import GPT, PRESETS, preset
 
 
 def task(**keys) -> LanguageModel:
@@ -219,7 +220,7 @@ def test_shards_in_a_folder_that_takes_no_cache_keep_theirs_in_the_users_cache_f
     t.datasets()  # the kept word, not a read
 
 
-# A sitecustomize patch (conftest.after_import) of train.shards: the rank of every process that looks for the
+# A sitecustomize patch (conftest.after_import) of train.tasks.shards: the rank of every process that looks for the
 # shards' largest token ids (token_max: the cache, else a read of every shard whole), one line each.
 RECORD_TOKEN_MAX = """
 import os
@@ -241,7 +242,7 @@ def test_rank_0_alone_reads_the_shards_and_tells_the_other_ranks_what_is_wrong(t
     shards.write_shard(data / "c_train_000000.bin", toks, "llmc")
     toks[77] = 300  # the tiny preset's vocabulary is 256
     shards.write_shard(data / "c_val_000000.bin", toks, "llmc")
-    env = after_import(tmp_path, "train.shards", RECORD_TOKEN_MAX)
+    env = after_import(tmp_path, "train.tasks.shards", RECORD_TOKEN_MAX)
     env["LOOKS_FILE"] = str(tmp_path / "looks.txt")
     run_dir = tmp_path / "run"
     proc = subprocess.run(lm_cmd(run_dir, f"task.data={data}", "train.steps=1", "dist.timeout_s=60"), cwd=ROOT,

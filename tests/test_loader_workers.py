@@ -2,7 +2,7 @@
 and their fork server, and nothing left running after a rank is killed.
 
 A worker forked from a rank that runs threads could hang in os.fork() before its first instruction
-(CPython gh-112275, issue 24): train/data.py starts them from a fork server instead."""
+(CPython gh-112275, issue 24): train/parallel/data.py starts them from a fork server instead."""
 
 from __future__ import annotations
 

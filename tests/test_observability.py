@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import OBSERVED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
-from train import config, report
-from train import metrics as meter
+from train import config
 from train.config import ConfigError
+from train.observe import metrics as meter
+from train.observe import report
 
 STEP_LINE = re.compile(r"step \d+/\d+")
 BAR = re.compile(r"\d+/\d+ \[\d\d:\d\d<")  # tqdm: " 3/6 [00:01<00:02, 1.52step/s, loss ...]"

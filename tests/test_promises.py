@@ -187,7 +187,7 @@ def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
     return counts
 
 
-# A sitecustomize patch (conftest.after_import) of train.data: every training sample a rank reads (by the
+# A sitecustomize patch (conftest.after_import) of train.parallel.data: every training sample a rank reads (by the
 # (index, epoch) key its data set is read by) appended to READS_DIR/<pid>.txt as "rank epoch index" (num_workers=0).
 RECORD_READS = """
 import os
@@ -225,7 +225,7 @@ def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_
     (seeded by seed + epoch), as far as the world sizes read it (none skipped but the last tail)."""
     reads_dir = tmp_path / "reads"
     reads_dir.mkdir()
-    env = after_import(tmp_path, "train.data", RECORD_READS)
+    env = after_import(tmp_path, "train.parallel.data", RECORD_READS)
     env["READS_DIR"] = str(reads_dir)
     run = tmp_path / "run"
     for world, steps in SEGMENTS:

@@ -30,7 +30,8 @@ from tests.conftest import (
     train_cmd,
     train_losses,
 )
-from train import checkpoint
+from train.checkpoint import dcp_io, resume, storage
+from train.errors import EXIT_REQUEUE
 
 # 40 steps of 16 over 256 samples: 16 steps an epoch, so step 21 is 5 steps into the second epoch.
 LONG = ["train.steps=40"]
@@ -86,7 +87,7 @@ def test_configured_signal_stops_a_single_process_with_the_requeue_code(tmp_path
     time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)  # twice: still one clean stop
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == checkpoint.EXIT_REQUEUE, out
+    assert proc.returncode == EXIT_REQUEUE, out
     step = latest_state(tmp_path)["step"]
     assert step >= 3 and "stopped on SIGUSR1" in out
     run_train(tmp_path, "train.steps=16")
@@ -112,7 +113,7 @@ def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert any(".tmp" in p.name for p in ckpts.iterdir()), "the kill never landed during a save"
     name = (ckpts / "latest").read_text().strip()
-    state = checkpoint.read_state(ckpts / name)  # verifies the CRCs, loads with weights_only
+    state = dcp_io.read_state(ckpts / name)  # verifies the CRCs, loads with weights_only
     assert state["step"] >= 1
     resumed = run_train(tmp_path, "task.model=resnet50", "checkpoint.every=0", f"train.steps={state['step'] + 1}")
     assert f"resumed from {ckpts / name}" in resumed.stdout
@@ -147,7 +148,7 @@ class _Payload:
 def _forge(path, payload: bytes) -> None:
     """Give one file of a checkpoint new bytes, and its manifest their size and CRC: it passes the check."""
     path.write_bytes(payload)
-    manifest_path = path.parent / checkpoint.MANIFEST
+    manifest_path = path.parent / storage.MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][path.name] = {"bytes": len(payload), "crc32": zlib.crc32(payload)}
     manifest_path.write_text(json.dumps(manifest))
@@ -228,8 +229,8 @@ def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path, fi
     sync, asyn = finished_two_ranks, tmp_path / "async"  # the same run, saving in the background
     run_train(asyn, "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.async=true", nproc=2)
     for step in (4, 6):
-        a = checkpoint.read_state(sync / "checkpoints" / f"step_{step:08d}")
-        b = checkpoint.read_state(asyn / "checkpoints" / f"step_{step:08d}")
+        a = dcp_io.read_state(sync / "checkpoints" / f"step_{step:08d}")
+        b = dcp_io.read_state(asyn / "checkpoints" / f"step_{step:08d}")
         assert_same_weights(a["model"], b["model"])
         for name, state in a["optimizer"]["state"].items():
             assert_same_weights(state, b["optimizer"]["state"][name])
@@ -240,7 +241,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.distributed as dist
-from train import checkpoint, config, optim
+from train import config, optim
+from train.checkpoint import checkpointer, dcp_io, resume, storage
 
 run = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{run}.store", rank=0, world_size=1)
@@ -257,13 +259,13 @@ parts = SimpleNamespace(raw=net, optimizer=opt, scaler=torch.amp.GradScaler("cpu
                         window_loss=torch.zeros(()), window_steps=0, eval_pending=False)
 before = {k: v.clone() for k, v in net.state_dict().items()}
 moments = {k: v.clone() for k, v in opt.state[net[0].weight].items()}
-ckpt = checkpoint.Checkpointer(cfg, 0, 1, SimpleNamespace(info=print, warning=print))
+ckpt = checkpointer.Checkpointer(cfg, 0, 1, SimpleNamespace(info=print, warning=print))
 ckpt.save(parts)  # returns before DCP's host copy is made (which the test's patch delays by a second)
 with torch.no_grad():
     net(x)  # at once: a forward changes the BatchNorm statistics
 opt.step()  # and the optimizer step every other tensor, while the copy has not begun
 ckpt.wait()
-saved = checkpoint.read_state(run / "checkpoints" / "step_00000001")
+saved = dcp_io.read_state(run / "checkpoints" / "step_00000001")
 for k, v in net.state_dict().items():
     assert torch.equal(saved["model"][k], before[k]), f"{k}: the checkpoint holds a later value"
     assert k.endswith("num_batches_tracked") or not torch.equal(v, before[k]), f"{k}: training did not move it"
@@ -272,9 +274,9 @@ for k, v in moments.items():
 print("the checkpoint holds the state of its step")
 """
 
-# A patch of train.checkpoint (conftest.after_import): DCP's host copy of an asynchronous save starts a second
-# late, so that training always runs ahead of it: without the optimizer's wait for the copy (Checkpointer._gate)
-# the step's tensors change before they are copied, every time.
+# A patch of train/checkpoint/checkpointer.py (conftest.after_import): DCP's host copy of an asynchronous save starts
+# a second late, so that training always runs ahead of it: without the optimizer's wait for the copy
+# (Checkpointer._gate) the step's tensors change before they are copied, every time.
 SLOW_HOST_COPY = """
 import time
 class SlowStager(module.DefaultStager):
@@ -291,8 +293,8 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on_at_once(tmp_
     (copied by save()), the parameters and the optimizer's state that the next optimizer step changes (it
     waits for the copy, here made to come late)."""
     proc = subprocess.run([sys.executable, "-c", ASYNC_SAVE_THEN_TRAIN, str(tmp_path / "run")], cwd=ROOT,
-                          env=after_import(tmp_path, "train.checkpoint", SLOW_HOST_COPY), capture_output=True,
-                          text=True, timeout=300)
+                          env=after_import(tmp_path, "train.checkpoint.checkpointer", SLOW_HOST_COPY),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the checkpoint holds the state of its step" in proc.stdout
 
@@ -313,7 +315,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(
                 and "OSError: [Errno 27] File too large)" in proc.stderr), proc.stderr[-3000:]
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000004"
-    assert [p.name for p in checkpoint.complete_checkpoints(ckpts)] == ["step_00000004", "step_00000002"]
+    assert [p.name for p in storage.complete_checkpoints(ckpts)] == ["step_00000004", "step_00000002"]
     proc = run_train(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.async={mode == 'async'}", nproc=2)
     assert "at step 4" in proc.stdout and summary(tmp_path)["steps"] == 8
 
@@ -355,7 +357,7 @@ def test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_
     for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):  # stopped at the next step boundary
         proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == checkpoint.EXIT_REQUEUE, out
+    assert proc.returncode == EXIT_REQUEUE, out
     stopped = latest_state(branch)["step"]
     assert 8 <= stopped < 12 and stopped % 2 == 0, out  # its own checkpoints: stopped and stopped - 2
     run_id = latest_state(branch)["tracker"]["run_id"]
@@ -477,7 +479,7 @@ def test_the_resume_table_names_real_tests():
     import ast
 
     defined: dict[str, set[str]] = {}
-    for _, (outcome, tests) in checkpoint.RESUME_CASES.items():
+    for _, (outcome, tests) in resume.RESUME_CASES.items():
         assert outcome and tests
         for test in tests:
             file, name = test.split("::")

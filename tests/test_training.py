@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import GROUPNORM, assert_trained_alike, latest_state, run_train, summary
-from train import config, data
+from train import config
+from train.parallel import data
 
 # Two ranks x 8 traced by the profiler for two steps (which changes no number): the all-reduce count.
 TRACED = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]

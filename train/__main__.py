@@ -7,7 +7,6 @@ module is imported to check its keys).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -18,21 +17,18 @@ from pathlib import Path
 from train import config
 from train.config import parse_args
 from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
+from train.stops import markers
 
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
 
 def _mark_usage_error(run_dir: Path, error: str) -> None:
-    """Under the launcher (train/launch.py), which would otherwise see torchrun restart the workers as after
+    """Under the launcher (train/launch/launcher.py), which would otherwise see torchrun restart the workers as after
     a crash: tell it that this one is a usage error, so it stops torchrun (.launch/<its launch id>.USAGE_ERROR;
     the ranks of one node write the same one, the last rename wins)."""
     try:
-        folder = run_dir / ".launch"
-        folder.mkdir(parents=True, exist_ok=True)
-        name = f"{os.environ[LAUNCH_ID_VAR]}.USAGE_ERROR"
-        tmp = folder / f".{name}.{os.getpid()}"
-        tmp.write_text(json.dumps({"time": time.time(), "error": error, "launch_id": os.environ[LAUNCH_ID_VAR]}))
-        os.replace(tmp, folder / name)
+        launch = os.environ[LAUNCH_ID_VAR]
+        markers.write(run_dir, "USAGE_ERROR", {"time": time.time(), "error": error, "launch_id": launch})
     except OSError:
         return  # the launcher then sees an ordinary failure
     # Wait for the launcher to stop torchrun (it polls twice a second): exiting now would let torchrun
@@ -42,20 +38,6 @@ def _mark_usage_error(run_dir: Path, error: str) -> None:
     time.sleep(USAGE_WAIT_S)
 
 
-def _forget_earlier_rounds(run_dir: Path) -> None:
-    """Under the launcher, a round torchrun restarted starts without the markers of the rounds before it:
-    the launcher judges its end by the round that ended (a STOPPED or STARTED of the round before would
-    make a crash a requeue, or a stop during this round's start-up a failure). Each node's first local rank
-    clears its launch's, first thing (the markers of that node are its to write)."""
-    if not os.environ.get(LAUNCH_ID_VAR) or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    for name in ("STARTED", "STOPPED", "FINISHED"):
-        try:
-            (run_dir / ".launch" / f"{os.environ[LAUNCH_ID_VAR]}.{name}").unlink(missing_ok=True)
-        except OSError:
-            pass  # the launcher also matches each marker's round with the workers it saw
-
-
 def main(argv: list[str] | None = None) -> int:
     """Usage errors, whether found in the config or by the trainer (data, devices, checkpoints, tracker),
     end here: one line, exit 2, and under the launcher a marker so that torchrun does not retry them."""
@@ -63,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = denv = None
     try:
         cfg = config.load(args.config, args.overrides)
-        _forget_earlier_rounds(cfg.run_dir)
-        from train import distributed  # imports torch: only once the config is known to be good
+        markers.forget_earlier_rounds(cfg.run_dir)
+        from train.parallel import distributed  # imports torch: only once the config is known to be good
 
         denv = distributed.detect()
         config.validate(cfg, denv.world_size)
@@ -88,13 +70,13 @@ if __name__ == "__main__":
     try:
         code = main()
     except (Exception, KeyboardInterrupt):
-        if "train.distributed" not in sys.modules:
+        if "train.parallel.distributed" not in sys.modules:
             raise
         # A failure nobody explained (a bug in a model or data set, say): its traceback, and exit 1 at once.
         # Not through the interpreter's exit: multiprocessing's would join the loader workers, which ignore
         # the SIGTERM it sends them (stop signals are the training process's), and wait forever.
         traceback.print_exc()
         code = 1
-    if "train.distributed" in sys.modules:  # a process group existed: see exit_process() for why not sys.exit
-        sys.modules["train.distributed"].exit_process(code)
+    if "train.parallel.distributed" in sys.modules:  # a process group existed: see exit_process() for why not sys.exit
+        sys.modules["train.parallel.distributed"].exit_process(code)
     sys.exit(code)

@@ -96,7 +96,7 @@ def _checkpoint_dir(cfg, where: str) -> Row:
 
 
 def _rendezvous(host: str) -> Row | None:
-    from train.launch import port_status
+    from train.launch.rendezvous import port_status
 
     endpoint = os.environ.get("RDZV_ENDPOINT") or os.environ.get("PET_RDZV_ENDPOINT")
     if not endpoint and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -180,7 +180,7 @@ def run(cfg, denv) -> int:
     import torch
     import torch.distributed as dist
 
-    from train import distributed
+    from train.parallel import distributed
 
     host = socket.gethostname()
     nccl_log = _nccl_log_setup() if cfg.dist.backend in ("nccl", "auto") and torch.cuda.is_available() else None
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config.parse_args(argv)
     try:
         cfg = config.load(args.config, args.overrides)
-        from train import distributed
+        from train.parallel import distributed
 
         denv = distributed.detect()
         return run(cfg, denv)
@@ -249,6 +249,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if "train.distributed" in sys.modules:  # see train.distributed.exit_process()
-        sys.modules["train.distributed"].exit_process(code)
+    if "train.parallel.distributed" in sys.modules:  # see train.parallel.distributed.exit_process()
+        sys.modules["train.parallel.distributed"].exit_process(code)
     sys.exit(code)

@@ -17,4 +17,4 @@ class UsageError(Exception):
 
 EXIT_USAGE = 2  # a usage error (bad config, bad arguments): one line; launchers do not retry it
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
-LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # the id train/launch.py gives each launch: its workers' markers carry it
+LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # the id train/launch/launcher.py gives each launch: its workers' markers carry it

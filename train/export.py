@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import _convert_hint, _old_checkpoints, _write_atomic, complete_checkpoints, read_state
+from train.checkpoint.dcp_io import read_state
+from train.checkpoint.storage import complete_checkpoints, convert_hint, old_checkpoints, write_atomic
 from train.config import OneLineParser, UsageError
 
 
@@ -34,8 +35,8 @@ def find(run_dir: Path, step: int | None) -> Path:
     folder = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     found = complete_checkpoints(folder)
     if not found:
-        if old := _old_checkpoints(folder):
-            raise UsageError(f"{old[0]} is a checkpoint of an earlier version of this project: {_convert_hint(folder)}")
+        if old := old_checkpoints(folder):
+            raise UsageError(f"{old[0]} is a checkpoint of an earlier version of this project: {convert_hint(folder)}")
         raise UsageError(f"{run_dir} holds no complete checkpoint")
     if step is None:
         return found[0]
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else run_dir / "export" / f"{path.name}.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     weights = state["model"]
-    _write_atomic(out, lambda f: torch.save(weights, f))
+    write_atomic(out, lambda f: torch.save(weights, f))
     size = sum(t.numel() * t.element_size() for t in weights.values())
     print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB, the model of {path} (step {state['step']}); "
           f"load it with torch.load({out.name!r}, weights_only=True)")

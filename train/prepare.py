@@ -65,7 +65,7 @@ def text_files(path: Path) -> list[Path]:
 
 def shard_name(stem: str) -> str:
     """The shards' prefix without the words that name a split ("val_notes.txt" would make val_notes_train_0.bin,
-    both splits at once to train.shards.split_of)."""
+    both splits at once to train.tasks.shards.split_of)."""
     words = [w for w in re.split(r"[^A-Za-z0-9]+", stem) if w and w.lower() not in {"train", "val", "valid",
                                                                                    "validation"}]
     return "_".join(words) or "shard"
@@ -88,7 +88,7 @@ def tokenizer(name: str):
 
 
 def write_split(tokens: np.ndarray, outdir: Path, name: str, split: str, args, bar) -> list[Path]:
-    from train import shards  # imports torch: only once the arguments are known to be good
+    from train.tasks import shards  # imports torch: only once the arguments are known to be good
 
     paths = []
     for i, start in enumerate(range(0, len(tokens), args.shard_tokens)):

@@ -194,7 +194,7 @@ def job_state(job_id: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
     from train.config import ConfigError
-    from train.launch import check_training_args
+    from train.launch.command import check_training_args
 
     # The job runs in the project folder: a config path given from elsewhere is made absolute, and the
     # run directory is resolved there, as the job will.

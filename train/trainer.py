@@ -14,13 +14,18 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from train import data, distributed, hang, optim, parallel
-from train.checkpoint import Checkpointer, SaveError, check_fresh_start
+from train import optim
+from train.checkpoint.checkpointer import Checkpointer
+from train.checkpoint.resume import check_fresh_start
+from train.checkpoint.storage import SaveError
 from train.config import Config, ConfigError
-from train.data import to_device
 from train.errors import EXIT_REQUEUE
-from train.log import RunLog, check_tracker
-from train.metrics import StepMeter
+from train.observe.log import RunLog, check_tracker
+from train.observe.metrics import StepMeter
+from train.parallel import data, distributed, hang, wrapping
+from train.parallel.data import to_device
+from train.stops.markers import Markers
+from train.stops.signals import StopRequest
 from train.task import Task
 
 
@@ -33,13 +38,15 @@ class Parts:
     device: torch.device
     world_size: int
     raw: nn.Module  # the model: what checkpoints hold and evaluation runs (under FSDP: sharded in place)
-    wrapped: nn.Module  # DDP(raw), or raw itself under FSDP (train/parallel.py)
+    wrapped: nn.Module  # DDP(raw), or raw itself under FSDP (train/parallel/wrapping.py)
     step_model: nn.Module  # wrapped, or torch.compile(wrapped)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     stream: object  # data.TrainStream
     eval_loader: torch.utils.data.DataLoader
     log: RunLog
+    stop: StopRequest  # whether the ranks agreed to stop (a signal to any of them)
+    markers: Markers  # how this launch ends, for the launcher (train/stops/markers.py)
     step: int = 0  # optimizer steps done
     # Trainer counters that a checkpoint carries, so that a resumed run logs what an uninterrupted one does:
     window_loss: torch.Tensor | None = None  # this rank's loss sum since the last log step (float32)
@@ -49,7 +56,7 @@ class Parts:
 
 def autocast(parts: Parts):
     p = parts.cfg.train.precision
-    return torch.autocast(parts.device.type, dtype=parallel.DTYPES[p], enabled=p != "fp32")
+    return torch.autocast(parts.device.type, dtype=wrapping.DTYPES[p], enabled=p != "fp32")
 
 
 @torch.no_grad()
@@ -69,10 +76,10 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
     last = None
     try:
         for _ in range(turns):
-            if ckpt.stop_agreed(parts.device):
+            if parts.stop.agreed(parts.device):
                 return None
             if (batch := next(batches, None)) is None:
-                if parallel.sharded(model):  # every rank's forward all-gathers: run one, not counted
+                if wrapping.sharded(model):  # every rank's forward all-gathers: run one, not counted
                     with autocast(parts):
                         parts.task.eval_step(model, last)
                 continue
@@ -104,7 +111,7 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
             batch = next(batches)
         batch = to_device(parts, batch)
         # Only the last micro-step all-reduces (DDP) or reduce-scatters (FSDP); the others accumulate locally.
-        sync = contextlib.nullcontext() if micro == accum - 1 else parallel.no_sync(parts.wrapped)
+        sync = contextlib.nullcontext() if micro == accum - 1 else wrapping.no_sync(parts.wrapped)
         with sync, meter.computing():
             with autocast(parts):
                 loss = parts.task.loss(parts.step_model, batch)
@@ -131,7 +138,7 @@ def ranks_in_sync(parts: Parts) -> bool:
     the check is about the buffers."""
     h = hashlib.sha256()
     for t in [*parts.raw.parameters(), *parts.raw.buffers()]:
-        h.update(parallel.full(t.detach()).cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(wrapping.full(t.detach()).cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * parts.world_size
     torch.distributed.all_gather_object(digests, h.hexdigest())
     return len(set(digests)) == 1
@@ -166,12 +173,12 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             parts.window_steps = 0
         parts.eval_pending = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
         # The stop is agreed before any evaluation, so that it never waits for one.
-        if ckpt.stop_agreed(parts.device):
+        if parts.stop.agreed(parts.device):
             return _stop(parts, ckpt)
         if ckpt.due(step):
             with meter.paused():
                 ckpt.save(parts)
-            if ckpt.stop_agreed(parts.device):  # a stop that came during the save ends with it
+            if parts.stop.agreed(parts.device):  # a stop that came during the save ends with it
                 return _stop(parts, ckpt)
         if parts.eval_pending and step < cfg.train.steps:
             if _evaluate_and_log(parts, ckpt, meter) is None:
@@ -197,12 +204,15 @@ def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dic
 
 
 def _stop(parts: Parts, ckpt: Checkpointer) -> None:
-    step = ckpt.save_and_stop(parts)  # blocking; every rank waits for it
+    step = ckpt.save_last(parts)  # blocking: complete on this rank
+    torch.distributed.barrier()  # complete on every rank: now every node's marker may say so
+    parts.markers.stopped(step, parts.stop.signal)
+    torch.distributed.barrier()  # no rank exits before every node's marker is written
     if step != parts.step:
         note = f" (the save of step {step} was the last; step {parts.step} is trained again after the resume)"
     else:
         note = " (its evaluation runs after the resume)" if parts.eval_pending else ""
-    parts.log.info(f"stopped on {ckpt.stop_signal or 'a peer rank signal'} at step {step}, checkpoint saved{note}")
+    parts.log.info(f"stopped on {parts.stop.signal or 'a peer rank signal'} at step {step}, checkpoint saved{note}")
     return None
 
 
@@ -234,7 +244,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     raw = raw.to(device)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
-    wrapped = parallel.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
+    wrapped = wrapping.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
     step_model = torch.compile(wrapped) if cfg.train.compile else wrapped
     # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
     # augmentation), as different samples on different GPUs should; a resume restores each rank's states.
@@ -246,6 +256,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     return Parts(cfg=cfg, task=task, device=device, world_size=denv.world_size, raw=raw, wrapped=wrapped,
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
                  stream=stream, eval_loader=eval_loader, log=log,
+                 stop=StopRequest(cfg.checkpoint.signal), markers=Markers(cfg.run_dir, denv.rank),
                  window_loss=torch.zeros((), device=device))
 
 
@@ -269,7 +280,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log = parts.log
         hang.start(cfg.run_dir, denv)  # the hosts of all ranks; who hung, should a collective time out
         ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
-        ckpt.install_signal_handler()
+        parts.stop.install()
+        parts.markers.forget_stopped()
         resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
         if resumed:
             log.truncate_metrics(parts.step)
@@ -280,11 +292,11 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
                  f"{cfg.accum_steps(denv.world_size)} micro-step(s) of {cfg.train.micro_batch_size} per rank, "
                  f"run dir {cfg.run_dir}")
-        whole, here = parallel.parameter_counts(parts.raw)
+        whole, here = wrapping.parameter_counts(parts.raw)
         log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy})")
         log.start_tracker(cfg, ckpt, resumed)
         meter = StepMeter.build(cfg, parts, denv.rank)
-        ckpt.mark_started(parts.step)  # for the launcher: a stop from here on ends with a checkpoint
+        parts.markers.started(parts.step)  # for the launcher: a stop from here on ends with a checkpoint
         summary = fit(parts, ckpt, meter)
         ckpt.wait()
         if summary is None:
@@ -295,7 +307,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         log.info(f"done: {summary['steps']} steps, {evals}, {summary['samples_per_s']:.1f} samples/s, "
                  f"{summary['wall_s']:.1f} s")
         log.finish(summary)  # summary.json, the tracker's summary, report.png and report.txt
-        ckpt.mark_finished(summary["steps"])
+        parts.markers.finished(summary["steps"])
         return 0
     except Exception as e:  # a usage error (ConfigError) goes on to the entry point
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
@@ -306,7 +318,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
               file=sys.stderr, flush=True)
         if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
-            print(f"[rank {denv.rank}] error: {who}", file=sys.stderr)  # who did not join (train/hang.py)
+            print(f"[rank {denv.rank}] error: {who}", file=sys.stderr)  # who did not join (train/parallel/hang.py)
         return 1
     finally:
         if ckpt is not None:

@@ -1,4 +1,4 @@
-"""A causal language model: GPT-2 (train/model.py) on token shards, or on a corpus generated from the seed.
+"""A causal language model: GPT-2 (train/tasks/gpt_model.py) on token shards, or on a corpus generated from the seed.
 
     task:
       name: train.tasks.gpt:LanguageModel
@@ -22,10 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from train import shards
 from train.config import ConfigError
-from train.model import GPT, PRESETS, GPTConfig, preset
 from train.task import Task
+from train.tasks import shards
+from train.tasks.gpt_model import GPT, PRESETS, GPTConfig, preset
 
 # The built-in corpus: a random order-2 Markov chain over 64 tokens. Each token b has 8 possible successors,
 # and each pair (a, b) uses 3 of those with random probabilities; with probability 0.05 the next token is
@@ -41,7 +41,7 @@ class LanguageModel(Task):
         data: str = "builtin"  # builtin, or llm.c/nanoGPT shards: a folder, a .bin file or a glob
         eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
         format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
-        model: Literal["gpt2", "tiny", "nano"] = "tiny"  # a preset of train/model.py
+        model: Literal["gpt2", "tiny", "nano"] = "tiny"  # a preset of train/tasks/gpt_model.py
         seq_len: int = 0  # tokens per window; 0: the preset's block size (gpt2 1024, tiny 128, nano 64)
         n_layer: int = 0  # 0: the preset's
         n_head: int = 0  # 0: the preset's

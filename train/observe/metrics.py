@@ -71,7 +71,7 @@ def flops_per_sample(task, model: torch.nn.Module, batch) -> float:
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from train.parallel import sharded
+    from train.parallel.wrapping import sharded
     from train.task import first_tensor
 
     if sharded(model):  # a copy would gather and reduce-scatter on its own: the whole model, on no memory
@@ -117,7 +117,7 @@ class StepMeter:
         if parts.device.type == "cuda":
             peak = peak_flops(torch.cuda.get_device_name(parts.device), cfg.train.precision, cfg.train.tf32)
             try:
-                from train.data import to_device
+                from train.parallel.data import to_device
 
                 sample = parts.eval_loader.collate_fn([parts.eval_loader.dataset[k] for k in [(0, 0), (1, 0)]])
                 flops = flops_per_sample(parts.task, parts.raw, to_device(parts, sample))

@@ -2,7 +2,7 @@
 and where each one that can still answer was (its innermost frame of train/ or the user's code).
 
 torch's own mechanisms do the work:
-- the flight recorder (TORCH_FR_BUFFER_SIZE, set by train/launch.py) records every collective of the
+- the flight recorder (TORCH_FR_BUFFER_SIZE, set by train/launch/launcher.py) records every collective of the
   group with its sequence number, for gloo as for NCCL; a rank's last entries say which collective it is in
   (not retired) or the last one it entered;
 - the process group's c10d store carries the question and the answers: each rank keeps one thread blocked
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from train.distributed import DistEnv, exit_process, hostname, launch_id
+from train.parallel.distributed import DistEnv, exit_process, hostname
+from train.stops.markers import launch_id
 
 PREFIX = "ddp-template/hang/"
 ANSWER_S = 5.0  # how long the first rank to time out waits for the others' answers
@@ -238,7 +239,7 @@ def _exchange(run_dir: Path, denv: DistEnv, op: str | None, seq: int | None, tim
 
 
 def _leave(run_dir: Path, line: str) -> None:
-    """The line for every node's launcher: the .HANG marker of each launch id (train/launch.py reads it)."""
+    """The line for every node's launcher: the .HANG marker of each launch id (train/launch/launcher.py reads it)."""
     folder = run_dir / ".launch"
     for lid in {lid for _, lid in PEERS if lid}:
         try:

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from train.config import Config, ConfigError, LogConfig, to_dict, wandb_tags
-from train.distributed import DistEnv
+from train.parallel.distributed import DistEnv
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STRAGGLER_REPEAT = 10  # log steps between two straggler warnings
@@ -160,7 +160,7 @@ class RunLog:
         if ratio <= self.lcfg.straggler_threshold or self._windows < 2 or self._windows < self._quiet_until:
             return
         self._quiet_until = self._windows + STRAGGLER_REPEAT
-        from train.hang import host_of  # the hosts of all ranks, all-gathered at start
+        from train.parallel.hang import host_of  # the hosts of all ranks, all-gathered at start
 
         rank = r["slowest_rank"]
         self.warning(f"straggler: rank {rank} on {host_of(rank)} needs {ratio:.2f}x the time of the fastest rank "
@@ -204,7 +204,7 @@ class RunLog:
             self.tracker = None
         if self.lcfg.report:
             try:
-                from train import report
+                from train.observe import report
 
                 t = time.perf_counter()
                 png, text = report.write(self.run_dir)

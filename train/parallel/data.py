@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from train.config import Config, ConfigError
-from train.loader_server import ignore_stop_signals
+from train.stops.signals import ignore_stop_signals
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -131,7 +131,7 @@ def _worker_init(worker_id: int) -> None:
     them; a worker killed by a SIGTERM sent to the whole process group would break the last step.
     The fork server (below) already ignores and blocks them, so workers inherit that from their first
     instruction (torch's worker loop then handles SIGTERM until here: blocked, one cannot arrive); this
-    ignores them again and unblocks them, and covers a fork server started without train.loader_server.
+    ignores them again and unblocks them, and covers a fork server started without train.parallel.loader_server.
 
     A worker also lets go of the fork server's "alive" pipe, which it inherits: the server ends when the
     last holder of that pipe does, and a worker watches its parent, the server. Held by the workers too,
@@ -156,14 +156,14 @@ def worker_context():
     Debian 12's 3.11.2 have it): the child waits forever on a lock another thread held at the fork, and its rank
     waits forever for its batch. The fork server is started by fork+exec (no Python runs in the forked
     child before the exec) and is single-threaded, so the workers it forks are safe. It preloads
-    train.loader_server first (stop signals ignored, inherited by every worker), then this module, torch
+    train.parallel.loader_server first (stop signals ignored, inherited by every worker), then this module, torch
     with it: imported once, a worker starts in a few ms. It ends when this process does (its pipe closes), and
     the workers then end too (torch's workers watch their parent).
 
     The cost: a worker's arguments are pickled, the dataset among them; its tensors go through shared
     memory (moved there once, then passed as file descriptors), an ImageFolder's file list is copied."""
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["train.loader_server", "train.data"])  # in this order
+    ctx.set_forkserver_preload(["train.parallel.loader_server", "train.parallel.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
     # started once per process; a fork server that died (SIGKILL) is started again at the next worker.
     multiprocessing.forkserver.ensure_running()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train.errors import LAUNCH_ID_VAR, ConfigError
+from train.errors import ConfigError
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -251,7 +251,7 @@ def exit_process(code: int) -> None:
     written and closed by now; what is left (loader workers) is freed first, the streams flushed."""
     gc.collect()  # DataLoader iterators shut their worker processes down in their finalizers
     # Their queues' feeder threads end just after (closed, they were not joined): wait for them, a few ms,
-    # so that the semaphores they hold are freed. Loader workers start from a fork server (train/data.py),
+    # so that the semaphores they hold are freed. Loader workers start from a fork server (train/parallel/data.py),
     # whose queues' semaphores multiprocessing's resource tracker follows: one still held here would be
     # reported as "leaked semaphore objects" when the process ends.
     deadline = time.monotonic() + 2.0
@@ -292,18 +292,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def launch_id() -> str | None:
-    """The id train/launch.py gives each of its launches (None under a bare torchrun, srun or python)."""
-    return os.environ.get(LAUNCH_ID_VAR) or None
-
-
-def launch_round() -> int:
-    """torchrun's round of this worker: TORCHELASTIC_RESTART_COUNT, the restarts torchrun made after a failure
-    (torch 2.14's agent; a restart for a membership change keeps it); 0 outside torchrun."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    return int(value) if value.isdigit() else 0
-
-
 def hostname() -> str:
     return socket.gethostname()
 
@@ -330,7 +318,7 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str | None:
     if re.search(r"[Tt]imed out|[Tt]imeout", text):
         return (f"collective timed out after dist.timeout_s={timeout_s:g} s: another rank hung or died (see "
                 f"its log in the run directory); raise dist.timeout_s if steps are legitimately slower")
-    # Loader workers are children of their fork server (train/data.py), not of the rank, so torch sees their
+    # Loader workers are children of their fork server (train/parallel/data.py), not of the rank, so torch sees their
     # end as "exited unexpectedly"; the signal is named where the chain of causes has it ("is killed by
     # signal: Killed", for a worker that is torch's own child).
     if re.search(r"DataLoader worker \(pid(?:\(s\))?[^)]*\) (is killed by signal|exited unexpectedly)", text):

@@ -1,0 +1,444 @@
+"""Checkpointer: when to save, the save itself (blocking, or asynchronous in a writer thread of its own),
+what to keep, and loading the checkpoint the resume decision chose (train/checkpoint/resume.py).
+
+Layout, in <run_dir>/checkpoints/:
+    step_00000100/           one checkpoint: a torch.distributed.checkpoint (DCP) folder
+        __0_0.distcp, ...    the model's and optimizer's tensors, __<rank>_<n>.distcp: every rank writes (DCP
+                             spreads DDP's replicated tensors over the ranks; FSDP's shards are each rank's own),
+                             up to checkpoint.threads files at once
+        .metadata            DCP's index of the tensors (rank 0)
+        trainer.pt           the rest (rank 0): step, data position, each rank's RNG states and loss window,
+                             the loss scaler, the optimizer's hyper-parameters, the config (weights_only)
+        manifest.json        the size and CRC-32 of each file above, written last, by rank 0
+    latest                   the name of the latest complete checkpoint
+    abandoned/<time>-resumed-at-step-<N>/   checkpoints after step N, set aside by a resume from step N
+A save goes to .step_00000100.tmp/: every rank writes and fsyncs its files, rank 0 adds the manifest once
+all have, fsyncs, renames the folder into place, and only then moves `latest`. A process killed at any
+point leaves the previous checkpoint intact; a folder without its manifest, or with a file that fails its
+size or CRC, never counts. Loading runs no code from the files: DCP reads the tensors (its .metadata is
+unpickled with a whitelist of DCP's own classes), torch.load(weights_only=True) the rest. A resume onto
+another world size reshards on load (DCP). Checkpoints of this project before DCP (one step_00000100.pt
+and its .json) are converted by `python -m train.checkpoint --convert RUN_DIR`; train/export.py writes
+one plain file of a checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import shutil
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from train.checkpoint.dcp_io import (
+    ASYNC_TYPE,
+    BackgroundWriter,
+    Reader,
+    buffers_copied,
+    error_text,
+    merge,
+    planner,
+    rng_state,
+    set_rng_state,
+    tensor_state,
+    write_threads,
+)
+from train.checkpoint.resume import config_diff, decide, shapes, shapes_of, state_mismatch
+from train.checkpoint.storage import (
+    FORMAT,
+    NAME,
+    TRAINER,
+    ChecksummedFiles,
+    SaveError,
+    complete_checkpoints,
+    fsync_dir,
+    inside,
+    own_files,
+    publish,
+    remove,
+    verify,
+    write_atomic,
+)
+from train.config import Config, to_dict
+from train.errors import ConfigError
+from train.parallel.distributed import sync_buffers
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, rank: int, world_size: int, log):
+        self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
+        self.dir = cfg.run_dir / "checkpoints"
+        self.saved_step: int | None = None  # the step of the last save started in this process
+        self.resumed_from: Path | None = None  # the checkpoint this process resumed from
+        # With resume=PATH into this run's own directory (a rollback): PATH, relative to the run directory. It
+        # goes into the manifest of every save, so that a relaunch knows the rollback is done (find_resume).
+        self.rollback: str | None = None
+        self._pending: futures.Future | None = None  # a save being written in the background
+        self._jobs: queue.SimpleQueue | None = None  # what the writer thread does (checkpoint.async)
+        # DCP's collectives (and this module's during a save) run in a process group of their own: an
+        # asynchronous save's never interleave with training's (gloo: DCP's are on host memory).
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+        self._error: BaseException | None = None
+        self._removing: list[threading.Thread] = []  # deletions of checkpoints that retention let go
+        self._stager: DefaultStager | None = None  # checkpoint.async's host copy, made the first time
+        self._staging: futures.Future | None = None  # that copy being made, for the next optimizer step
+        self._gate_handle = None  # the optimizer step's pre-hook that waits for it
+        self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/checkpoint.py)
+        self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
+
+    # ---- saving
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def save(self, parts, blocking: bool = False) -> None:
+        """Called on every rank: every rank writes its share of the tensors (DCP); rank 0 the rest, then the
+        manifest. With checkpoint.async (and not `blocking`), training goes on at once: DCP copies the
+        tensors to host memory while the next step's forward and backward run (its optimizer step waits for
+        the copy: _gate), and writes the files in the background, one save at a time."""
+        self.saved_step = parts.step
+        mine = {"rng": rng_state(parts.device),  # gathered to rank 0's trainer.pt by _write
+                "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
+        self.wait()  # the next save waits for the previous one
+        # DCP writes each replicated tensor from one rank of its choosing: every rank holds rank 0's buffers
+        # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
+        sync_buffers(parts.raw)
+        tensors, rest = tensor_state(parts)
+        trainer = {
+            "format": FORMAT,
+            "rest": rest,  # the optimizer's hyper-parameters: all of its state that is not a tensor
+            "scaler": parts.scaler.state_dict(),
+            "step": parts.step,
+            "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
+            "eval_pending": parts.eval_pending,
+            "world_size": self.world_size,
+            "config": to_dict(self.cfg),
+            "tracker": {"run_id": self.tracker_id},
+        } if self.rank == 0 else None
+        tmp = self.dir / f".step_{parts.step:08d}.tmp"
+        threads = write_threads(tensors, self.cfg.checkpoint.threads, self.world_size)
+        background = self.cfg.checkpoint.async_ and not blocking
+        writer = (BackgroundWriter if background else dcp.FileSystemWriter)(tmp, sync_files=True, thread_count=threads)
+        writer.fs = ChecksummedFiles()
+        if background:
+            tensors["model"] = buffers_copied(tensors.get("model", {}), parts.raw)
+            self._gate(parts.optimizer)
+            stager, self._staging, self._pending = self._host_copy(parts.device), futures.Future(), futures.Future()
+            job = (tensors, writer, stager, tmp, parts.step, trainer, mine, self._staging, self._pending)
+            self._writer_jobs(parts.device).put(lambda: self._write_async(*job))
+        else:
+            upload = lambda: dcp.save(tensors, storage_writer=writer, planner=planner(),  # noqa: E731
+                                      process_group=self._group)
+            self._write(upload, tmp, parts.step, trainer, mine, writer.fs)
+            self._raise_pending_error()
+
+    def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
+        """This process's checkpoint writer: one daemon thread, started at the first asynchronous save and
+        reused (a thread started per save cost the training thread ~8 ms here: bench/checkpoint.py)."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+
+            def work(jobs: queue.SimpleQueue = self._jobs) -> None:
+                if device.type == "cuda":  # a new thread's current GPU is cuda:0, whatever its rank's
+                    torch.cuda.set_device(device)
+                for job in iter(jobs.get, None):
+                    job()
+
+            threading.Thread(target=work, daemon=True, name="checkpoint-writer").start()
+        return self._jobs
+
+    def _write_async(self, tensors: dict, writer, stager: DefaultStager, tmp: Path, step: int, trainer: dict | None,
+                     mine: dict, staged: futures.Future, done: futures.Future) -> None:
+        """checkpoint.async, in the writer thread: DCP's async_save copies the tensors to host memory here
+        (the optimizer's next step waits for that: _gate), then writes them from DCP's own thread."""
+        try:
+            try:
+                upload = dcp.async_save(tensors, storage_writer=writer, planner=planner(), async_stager=stager,
+                                        process_group=self._group, async_checkpointer_type=ASYNC_TYPE)
+            finally:
+                staged.set_result(None)
+            self._write(upload.result, tmp, step, trainer, mine, writer.fs)
+        except BaseException as e:  # reported by the training thread at the next save or at exit
+            self._error = e
+        finally:
+            done.set_result(None)
+
+    def _host_copy(self, device: torch.device) -> DefaultStager:
+        """What an asynchronous save copies the tensors into: host memory allocated at the first save and
+        reused by every later one (pinned on a GPU; shared with DCP's process when it writes from one), at
+        the cost of one more copy of this rank's state in host memory. A fresh allocation each save cost more
+        than the copy itself (bench/checkpoint.py). The copy runs in the writer thread while the next step's
+        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step."""
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=device.type == "cuda",
+                use_shared_memory=ASYNC_TYPE == dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
+                use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def _gate(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the optimizer's next step wait until an asynchronous save's host copy is made: parameters and
+        optimizer state change only there, so training blocks for the copy only where forward and backward
+        did not cover it (buffers, which a forward changes, were copied before: buffers_copied)."""
+        if self._gate_handle is None:
+            self._gate_handle = optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+
+    def _wait_for_staging(self) -> None:
+        if self._staging is not None:
+            t = time.perf_counter()
+            futures.wait([self._staging])  # a failed copy is reported with the write's error (_write)
+            self.staging_wait_s += time.perf_counter() - t
+            self._staging = None
+
+    def save_last(self, parts) -> int:
+        """The last save of a stopped run, complete on this rank when this returns; the step the run stopped
+        at (that of its last checkpoint).
+
+        A stop ends with the last save if it is of this step or of the one before: a save in flight
+        (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
+        and a step trained since it is trained again after the resume. Otherwise this step is saved,
+        blocking. Either way a stop costs at most one step and one save (docs/stops.md: the stop budget)."""
+        if self.saved_step is not None and parts.step - self.saved_step <= 1:
+            step = self.saved_step
+        else:
+            self.save(parts, blocking=True)
+            step = parts.step
+        self.wait()
+        return step
+
+    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, mine: dict, fs: ChecksummedFiles) -> None:
+        """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then its RNG states and
+        loss window (`mine`) and the CRC-32s of its files to rank 0, which writes the rest (trainer.pt), the
+        manifest and `latest` (publish). In checkpoint.async's thread, off the training thread's time."""
+        try:
+            t = time.perf_counter()
+            upload()
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, mine, group=self._group)
+            try:
+                if fs.failed is not None:
+                    raise fs.failed
+                if self.rank == 0:
+                    trainer["rng"] = [r["rng"] for r in ranks]
+                    trainer["window"] = [r["window"] for r in ranks]  # each rank's loss since the last log step
+                    write_atomic(tmp / TRAINER, lambda f: torch.save(trainer, f))
+                own = own_files(tmp, self.rank, fs.crcs)
+            except OSError as e:  # still sent: no rank waits alone in the gather
+                own = e
+            files = [None] * self.world_size
+            dist.all_gather_object(files, own, group=self._group)
+            if failed := [f for f in files if isinstance(f, OSError)]:
+                raise failed[0]
+            if self.rank == 0:
+                extra = {"world_size": self.world_size} | ({"rollback": self.rollback} if self.rollback else {})
+                path = publish(self.dir, tmp, step, {k: v for f in files for k, v in f.items()}, extra)
+                self._retain()
+                self.log.info(f"saved {path} in {time.perf_counter() - t:.2f} s")
+        except BaseException as e:  # reported by the training thread at the next save or at exit
+            self._error = e
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise SaveError(f"checkpoint save failed: {error_text(err)}") from err
+
+    def wait(self) -> None:
+        """Until the save in flight (checkpoint.async) is complete and the checkpoints it replaced are
+        deleted; raises its error."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            self._staging = None
+        while self._removing:
+            self._removing.pop().join()
+        self._raise_pending_error()
+
+    def _retain(self) -> None:
+        """Keep the newest `keep` checkpoints and, with keep_every, every K-th step for good."""
+        c = self.cfg.checkpoint
+        ckpts = sorted((p for p in self.dir.iterdir() if NAME.match(p.name)), reverse=True)
+        for p in ckpts[c.keep:]:
+            step = int(NAME.match(p.name).group(1))
+            if c.keep_every and step % c.keep_every == 0:
+                continue
+            self._removing.append(remove(p, later=True))
+
+    # ---- resuming
+    def resume(self, parts) -> bool:
+        """Load the best complete checkpoint into parts; False when starting fresh. What it does in each case
+        is RESUME_CASES (above the class)."""
+        self.wait()  # this process's own save and deletions, if any, are done: what is left over is a killed one's
+        if self.rank == 0:
+            if self.dir.is_dir():  # leftovers of a save (or a removal) that was killed: never counted
+                for p in self.dir.glob(".*.tmp*"):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        candidates, error = self._agreed_candidates()
+        if error is not None:
+            raise ConfigError(error)
+        failed: list[str] = []  # "step_00000020 <what is wrong with it>" of each that did not load
+        tensors = tensor_state(parts)[0] if candidates else {}  # this run's model and optimizer, as DCP takes them
+        expected = {part: shapes_of(tensors.get(part, {})) for part in ("model", "optimizer")}
+        for path in candidates:
+            t = time.perf_counter()
+            # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
+            if problem := self._agreed_problem(self._check(path)):
+                self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
+                failed.append(f"{path.name} {problem}")
+                continue
+            trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+            metadata = Reader(path).read_metadata()
+            # A checkpoint of another model or optimizer is no damage to fall back from: the same config
+            # meets the same mismatch in every checkpoint of the run. It is named, and nothing is trained.
+            for part, section in (("model", "task"), ("optimizer", "optim")):
+                if (mismatch := state_mismatch(expected[part], shapes(metadata, part))) is not None:
+                    raise ConfigError(f"checkpoint {path} does not match the {part} of this run"
+                                      f"{config_diff(self.cfg, trainer, section)}: {mismatch}; relaunch with "
+                                      f"the {section}.* settings it was trained with, or start afresh with a new "
+                                      f"run.name")
+            if problem := self._agreed_problem(self._load_tensors(parts, path, trainer)):
+                self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
+                failed.append(f"{path.name} {problem}")
+                continue
+            self._load(parts, trainer, path, time.perf_counter() - t)
+            self.resumed_from = path
+            if self.rank == 0:
+                self._set_aside_after(parts.step)
+            return True
+        if self.cfg.resume not in ("auto", "never"):
+            raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}"
+                              + (f" ({failed[0]})" if failed else ""))
+        if failed:  # resume=auto: the run has checkpoints and none loads. Training from step 0 would lose them.
+            more = f" (and {len(failed) - 1} more that do not load either)" if len(failed) > 1 else ""
+            raise ConfigError(f"resume=auto: no checkpoint of this run loads: {failed[0]}{more}. Nothing was "
+                              f"trained and every checkpoint is left as it is: fix what changed since they were "
+                              f"written (the Python or torch version, the config, a run directory that every "
+                              f"node must share), resume from another with resume=PATH, or start afresh with a "
+                              f"new run.name")
+        return False
+
+    def _check(self, path: Path) -> str | None:
+        """What is wrong with a checkpoint, from this rank's share of its files (None: nothing)."""
+        try:
+            verify(path, self.rank, self.world_size)
+            torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+            Reader(path).read_metadata()
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # a file that passes its CRC but does not load is corrupt all the same
+            return f"does not load ({error_text(e)})"
+        return None
+
+    def _load_tensors(self, parts, path: Path, trainer: dict) -> str | None:
+        """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
+        size or the sharding changed); what went wrong, or None."""
+        tensors, _ = tensor_state(parts)  # the shapes to read into
+        try:
+            dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
+            state = merge(tensors, trainer["rest"])
+            set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        except (Exception, CheckpointException) as e:
+            return f"does not load ({error_text(e)})"
+        return None
+
+    def _set_aside_after(self, step: int) -> None:
+        """Move this run's checkpoints after `step` (abandoned by a resume from it: a rollback, or a fall back
+        past corrupt newer ones) to abandoned/<time>-resumed-at-step-<step>/, so that they are kept but no
+        longer count: retention would otherwise delete each new save as it is written (they sort above it)
+        and `latest` could name one of them."""
+        if not self.dir.is_dir():
+            return
+        after = sorted(p for p in self.dir.iterdir() if (m := NAME.match(p.name)) and int(m.group(1)) > step)
+        if not after:
+            return
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-resumed-at-step-{step}"
+        for n in range(100):
+            folder = self.dir / "abandoned" / (stamp if n == 0 else f"{stamp}.{n}")
+            try:
+                folder.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+        for p in after:  # a folder's rename is atomic: it counts where it was, or not at all
+            os.replace(p, folder / p.name)
+        latest = self.dir / "latest"
+        if latest.exists() and latest.read_text().strip() in {p.name for p in after}:
+            if kept := complete_checkpoints(self.dir):
+                write_atomic(latest, lambda f: f.write(f"{kept[0].name}\n".encode()))
+            else:
+                latest.unlink()
+        fsync_dir(folder)
+        fsync_dir(self.dir)
+        names = ", ".join(p.name for p in after)
+        self.log.info(f"resumed at step {step}: this run's later checkpoints ({names}) are set aside in {folder}, "
+                      f"kept but no longer counted (retention, `latest`, resume=auto)")
+
+    def _agreed_candidates(self) -> tuple[list[Path], str | None]:
+        """Rank 0's decision (the checkpoints to try, or its usage error), the same on every rank: a node with
+        a stale listing of a shared folder must not pick another step."""
+        found: list = [None, None]
+        if self.rank == 0:
+            try:
+                decision = decide(self.cfg)
+                self.rollback = decision.rollback
+                found[0] = [str(p) for p in decision.candidates]
+                if self.cfg.resume != "never":
+                    self.log.info(decision.line(self.cfg.resume))
+            except ConfigError as e:
+                found[1] = str(e)
+        if self.world_size > 1:
+            dist.broadcast_object_list(found, src=0)
+        return [Path(p) for p in found[0] or []], found[1]
+
+    def _agreed_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem with a checkpoint, the same on every rank (None: no rank has one)."""
+        problems = [problem]
+        if self.world_size > 1:
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+        for rank, p in enumerate(problems):
+            if p is not None:
+                return p + (f" (rank {rank})" if self.world_size > 1 else "")
+        return None
+
+    def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
+        """The trainer's state (trainer.pt), after the tensors."""
+        if parts.scaler.is_enabled() and not state["scaler"]:
+            was = state.get("config", {}).get("train", {}).get("precision", "fp32/bf16")
+            self.log.warning(f"checkpoint {path} was trained in {was} (no loss scaler): train.precision=fp16 "
+                             f"starts a fresh GradScaler (scale {parts.scaler.get_scale():g})")
+        else:
+            parts.scaler.load_state_dict(state["scaler"])  # a disabled scaler (fp32, bf16) ignores it
+        parts.step = int(state["step"])
+        parts.eval_pending = bool(state.get("eval_pending", False))
+        data_state = state["data"]
+        if data_state.get("seed", self.cfg.seed) != self.cfg.seed and not inside(path, self.cfg.run_dir):
+            # A new run from another run's checkpoint (a fine-tune) may choose its own seed; a relaunch of this
+            # run may not (TrainStream refuses it): the rest of its epoch would follow another permutation.
+            self.log.warning(f"a new run from {path}, trained with seed={data_state['seed']}: from its data "
+                             f"position on, this run's seed={self.cfg.seed} orders the data")
+            data_state = data_state | {"seed": self.cfg.seed}
+        parts.stream.load_state_dict(data_state)
+        self.tracker_id = state.get("tracker", {}).get("run_id")
+        if state["world_size"] == self.world_size:
+            set_rng_state(state["rng"][self.rank], parts.device)
+            if "window" in state:  # this rank's loss sum since the last log step, bit for bit
+                window = state["window"][self.rank]
+                parts.window_loss.fill_(window["loss"])
+                parts.window_steps = int(window["steps"])
+        else:
+            seen = state["step"] * self.cfg.train.global_batch_size
+            self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "
+                             f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
+        self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
+                      f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")

@@ -1,0 +1,222 @@
+"""What a checkpoint holds and how DCP reads and writes it: the model's and optimizer's tensors as DCP takes
+them, the rest (RNG states, optimizer hyper-parameters), the .metadata read with a whitelist of DCP's own
+classes (no code runs), and the writer that an asynchronous save runs in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import os
+import pickle
+import random
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
+
+from train.checkpoint.storage import TRAINER, verify
+
+# How an asynchronous save runs DCP's write: a thread of each rank (measured against a process by
+# bench/checkpoint.py: it blocks training less here).
+ASYNC_TYPE = dcp.state_dict_saver.AsyncCheckpointerType.THREAD
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: only DCP's metadata classes, torch's sizes, dtypes and layouts and paths
+    may be in it; a planted file that names anything else fails to load instead of running it."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                                  "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module, name):
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):  # Python 3.11.0-3.11.4 pickle an enum member by name
+            return enum_member
+        # A class is named by the module that defines it, which moves between versions (Python 3.13 pickles
+        # pathlib.PosixPath as pathlib._local.PosixPath): a submodule of an allowed module counts as that
+        # module, and the class is taken from the allowed module itself (the submodule is never imported).
+        # A file written on any Python loads on any other.
+        for allowed, names in self.ALLOWED.items():
+            if (module == allowed or module.startswith(allowed + ".")) and name in names:
+                return getattr(importlib.import_module(allowed), name)
+        raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is none of DCP's metadata classes")
+
+
+def enum_member(cls, name: str):
+    """getattr as .metadata may use it: a member of one of the allowed enums, nothing else."""
+    if isinstance(cls, enum.EnumMeta) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f".metadata asks for {getattr(cls, '__name__', cls)!r}.{name}, which is no member "
+                                 "of DCP's metadata enums")
+
+
+class Reader(dcp.FileSystemReader):
+    """DCP's reader of a checkpoint folder, with .metadata unpickled by MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_state(path: Path, keys: tuple[str, ...] = ("model", "optimizer")) -> dict:
+    """The whole checkpoint as one dict (trainer.pt's fields, and `keys` of the tensors: "model",
+    "optimizer"), checked and read in this one process; raises ValueError saying what is wrong."""
+    verify(path)
+    try:
+        state = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+        metadata = Reader(path).read_metadata()
+        tensors: dict = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata) and fqn.split(".", 1)[0] in keys:
+                tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=Reader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # one that passes its CRCs but does not load is corrupt all the same
+        raise ValueError(f"does not load ({error_text(e)})") from None
+    return merge(unflatten(tensors, metadata), state.pop("rest", {})) | state
+
+
+def error_text(e: BaseException) -> str:
+    """One line for what went wrong (of DCP's CheckpointException, the first failing rank's error)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = min(e.failures.items())[1]
+        e = e[0] if isinstance(e, tuple) else e
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def unflatten(flat: dict, metadata: Metadata) -> dict:
+    """DCP's flat keys ("optimizer.state.fc.weight.momentum_buffer") back into nested dicts, by the paths
+    DCP recorded (a key's own dots are not a level)."""
+    mappings = metadata.planner_data or {}
+    tree: dict = {}
+    for fqn, value in flat.items():
+        *parents, last = mappings.get(fqn, tuple(fqn.split(".")))
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return tree
+
+
+def split_state(tree: dict) -> tuple[dict, dict]:
+    """A nested dict's tensors, and the rest, each in the shape of the original."""
+    tensors, rest = {}, {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            t, r = split_state(v)
+            if t:
+                tensors[k] = t
+            if r or not t:
+                rest[k] = r
+        elif torch.is_tensor(v):
+            tensors[k] = v
+        else:
+            rest[k] = v
+    return tensors, rest
+
+
+def nbytes(tree: dict) -> int:
+    return sum(nbytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values())
+
+
+def buffers_copied(model: dict, module: torch.nn.Module) -> dict:
+    """The model's state with its buffers (BatchNorm statistics: a forward changes them in place, DDP's
+    broadcast too) copied now, for an asynchronous save whose host copy of the rest comes later."""
+    buffers = {b.data_ptr() for b in module.buffers()}
+    return {k: v.clone() if torch.is_tensor(v) and not isinstance(v, DTensor) and v.data_ptr() in buffers else v
+            for k, v in model.items()}
+
+
+def write_threads(tensors: dict, most: int, world_size: int) -> int:
+    """How many files each rank writes at once: checkpoint.threads, but none for less than 16 MiB of this
+    rank's share (a small model's save stays one file per rank, its fsyncs few)."""
+    return max(1, min(most, nbytes(tensors) // world_size // (16 << 20)))
+
+
+def merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# ---------------------------------------------------------------- state
+
+def rng_state(device: torch.device) -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    *mt, version, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def planner() -> DefaultSavePlanner:
+    """DCP's planner, with its plans cached: the same model saves the same items from the same ranks, so
+    after the first save the ranks exchange empty plans instead of ~500 items each (bench/checkpoint.py)."""
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def tensor_state(parts) -> tuple[dict, dict]:
+    """The model's and optimizer's state as DCP takes it (torch.distributed.checkpoint.state_dict: parameter
+    names for keys, DTensors where the model is sharded): its tensors, and the rest (hyper-parameters)."""
+    model, optimizer = get_state_dict(parts.raw, parts.optimizer)
+    return split_state({"model": model, "optimizer": optimizer})
+
+
+# ---------------------------------------------------------------- the manager
+
+def background() -> None:
+    """The calling thread, and every thread it starts from now on, at the lowest CPU priority (Linux: nice
+    19 per thread): an asynchronous save writes with the CPU time that training leaves."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: the save runs at training's priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's writer for checkpoint.async: runs in DCP's thread, which starts the threads that write."""
+
+    def write_data(self, plan, planner):
+        background()
+        return super().write_data(plan, planner)

@@ -1,0 +1,196 @@
+"""Which checkpoint a start resumes from: the decision (`decide`, on rank 0) and its table of cases
+(RESUME_CASES), which the code logs from and the tests read (tests/test_resume.py). The checks that a
+checkpoint fits this run (another model, optimizer or config: `mismatch`, `config_diff`) are here too; the
+loading itself, with its fall back past corrupt checkpoints, is Checkpointer.resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from train.checkpoint.storage import (
+    NAME,
+    OLD_NAME,
+    complete_checkpoints,
+    convert_hint,
+    inside,
+    old_checkpoints,
+    read_manifest,
+)
+from train.config import Config, to_dict
+from train.errors import ConfigError
+
+# What a start does with the checkpoints it finds: every case, once. `decide` picks the case and its candidates
+# (the case's words are its log line), Checkpointer.resume tries them; check_fresh_start guards resume=never.
+# Each case names the tests that show it (tests/test_resume.py::test_the_resume_table_names_real_tests keeps
+# them real): a case is added here with its test.
+RESUME_CASES = {
+    "auto, no checkpoint": (
+        "a fresh run from step 0",
+        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
+    "auto, the run's own checkpoints": (
+        "the newest complete one (not newer than `latest`), bitwise as an uninterrupted run",
+        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
+         "test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
+    "auto, the newest corrupt (any rank's share)": (
+        "one warning each, all ranks fall back to the newest that loads; the newer ones are set aside",
+        ["test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
+         "test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
+         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+    "auto, none loads": (
+        "refused (exit 2) with the newest one's problem and the ways out; every checkpoint stays, nothing trained",
+        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+    "another model or optimizer": (
+        "refused (exit 2), naming the config keys and tensors that differ; nothing is written",
+        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+    "another world size or strategy (DDP, FSDP)": (
+        "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
+        ["test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
+         "uninterrupted_run", "test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
+    "another seed": (
+        "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
+        ["test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
+         "test_resume.py::test_resume_from_a_path"]),
+    "an earlier format (one .pt file)": (
+        "refused (exit 2) with the `python -m train.checkpoint --convert` command, which converts it",
+        ["test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
+         "test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
+    "the previous release's checkpoint": (
+        "resumes bitwise as an uninterrupted run of this release",
+        ["test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
+    "PATH, the run directory holds none of its own": (
+        "a new run (a branch, a fine-tune) from PATH; refused (exit 2) if nothing there loads",
+        ["test_resume.py::test_resume_from_a_path",
+         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+    "PATH, the run directory holds its own": (
+        "a relaunch: continues from its own as auto does, PATH last",
+        ["test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
+    "PATH inside the run directory": (
+        "a rollback, once: the later checkpoints are set aside, the saves after it record it",
+        ["test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
+    "never": (
+        "a fresh run from step 0; refused (exit 2) where the run directory holds a run: nothing is overwritten",
+        ["test_launcher.py::test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried"]),
+}
+
+
+@dataclass
+class Decision:
+    case: str  # a key of RESUME_CASES
+    candidates: list[Path]  # the checkpoints to try, best first
+    rollback: str | None = None  # resume=PATH inside the run directory: PATH relative to it (every save records it)
+
+    def line(self, resume: str) -> str:
+        return f"resume={resume}: {self.case}: {RESUME_CASES[self.case][0]}"
+
+
+def decide(cfg: Config) -> Decision:
+    """The resume decision, on rank 0 (Checkpointer.resume sends it to the others). resume=PATH is where a
+    new run starts; once this run directory holds complete checkpoints of its own, the same command line
+    relaunched (a requeue, a torchrun or pod restart) continues from them as resume=auto does, PATH last. A
+    PATH inside this run directory rolls the run back to it, once: the saves after the rollback carry PATH
+    in their manifest, and a relaunch continues from those. A usage error is a ConfigError."""
+    folder = cfg.run_dir / "checkpoints"
+    if cfg.resume == "never":  # check_fresh_start refused a run directory that holds a run
+        return Decision("never", [])
+    own = complete_checkpoints(folder)
+    if not own and (old := old_checkpoints(folder)):
+        raise ConfigError(f"{old[0]} is a checkpoint of an earlier version of this project (one .pt file): "
+                          f"{convert_hint(folder)}")
+    if cfg.resume == "auto":
+        return Decision("auto, the run's own checkpoints" if own else "auto, no checkpoint", own)
+    p = Path(cfg.resume)
+    rollback = None
+    if inside(p, cfg.run_dir) and p.resolve() not in (cfg.run_dir.resolve(), folder.resolve()):
+        rollback = str(p.resolve().relative_to(cfg.run_dir.resolve()))
+    try:
+        targets = _targets(p)
+    except ConfigError:
+        if not own:
+            raise
+        targets = []  # PATH is gone, but this run no longer needs it
+    if own and (rollback is None or any(read_manifest(c).get("rollback") == rollback for c in own)):
+        return Decision("PATH, the run directory holds its own", own + [t for t in targets if t not in own], rollback)
+    if rollback is not None:
+        return Decision("PATH inside the run directory", targets, rollback)
+    return Decision("PATH, the run directory holds none of its own", targets)
+
+
+def _targets(p: Path) -> list[Path]:
+    """The checkpoints resume=PATH names, newest first: PATH itself, or those in PATH or PATH/checkpoints."""
+    for d in (p, p / "checkpoints"):
+        if not complete_checkpoints(d) and old_checkpoints(d):
+            raise ConfigError(f"resume: {p} holds checkpoints of an earlier version of this project (one .pt "
+                              f"file each): {convert_hint(d)}")
+    if OLD_NAME.match(p.name) and p.is_file():
+        raise ConfigError(f"resume: {p} is a checkpoint of an earlier version of this project (one .pt file): "
+                          f"{convert_hint(p.parent)}")
+    if NAME.match(p.name) and p.is_dir():
+        return [p]
+    for d in (p, p / "checkpoints"):
+        if d.is_dir() and (found := complete_checkpoints(d)):
+            return found
+    raise ConfigError(f"resume: {p} is neither a checkpoint folder nor a folder holding checkpoints")
+
+
+def check_fresh_start(cfg: Config) -> None:
+    """resume=never starts afresh, which must not overwrite an earlier run's checkpoints and metrics."""
+    if cfg.resume != "never":
+        return
+    found = [p.name for p in (cfg.run_dir / "checkpoints", cfg.run_dir / "metrics.jsonl", cfg.run_dir / "summary.json")
+             if p.exists() and (p.is_file() or any(p.iterdir()))]
+    if found:
+        raise ConfigError(f"resume=never but {cfg.run_dir} already holds a run ({', '.join(found)}): choose a new "
+                          f"run.name or run.dir for the fresh start, or resume=auto to continue it")
+
+
+def state_mismatch(expected: dict, got: dict) -> str | None:
+    """How two {name: shape} of a state differ (this run's, the checkpoint's); None when they do not."""
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    shapes = [f"{k} {got[k]} vs {v}" for k, v in expected.items() if k in got and got[k] != v]
+    problems = []
+    if shapes:
+        problems.append(f"{len(shapes)} shape(s) differ, first {shapes[0]} (checkpoint vs config)")
+    if missing:
+        problems.append(f"{len(missing)} missing, first {missing[0]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected, first {unexpected[0]}")
+    return "; ".join(problems) or None
+
+
+def config_diff(cfg: Config, state: dict, section: str) -> str:
+    """How the checkpoint's keys of a config section (task, optim) differ from this run's, as ` (it has
+    task.model=resnet18, this run task.model=resnet34)`; empty when they are the same or unknown."""
+    theirs = (state.get("config") or {}).get(section)
+    if not isinstance(theirs, dict):
+        return ""
+    ours = to_dict(cfg)[section]
+    keys = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
+    if not keys:
+        return ""
+    return (" (it has " + ", ".join(f"{section}.{k}={theirs.get(k)}" for k in keys[:3])
+            + ", this run " + ", ".join(f"{section}.{k}={ours.get(k)}" for k in keys[:3]) + ")")
+
+
+def shapes(metadata: Metadata, part: str) -> dict:
+    """{name: shape} of the tensors of one part ("model", "optimizer") of a checkpoint, by DCP's index."""
+    paths = metadata.planner_data or {}
+    return {".".join(paths.get(fqn, tuple(fqn.split(".")))[1:]): tuple(md.size)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.split(".", 1)[0] == part and isinstance(md, TensorStorageMetadata)}
+
+
+def shapes_of(tree: dict, prefix: str = "") -> dict:
+    """{name: shape} of the tensors of a nested state dict, named as shapes names a checkpoint's."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= shapes_of(v, f"{prefix}{k}.")
+        elif torch.is_tensor(v):
+            out[f"{prefix}{k}"] = tuple(v.shape)
+    return out

@@ -1,0 +1,208 @@
+"""python -m train.launch: one node's torchrun, started, supervised and judged (its command line: command.py).
+
+Every launcher (Makefile, sbatch, PyTorchJob, compose, the image's entrypoint) runs
+    python -m train.launch [launcher options] [--] [training arguments]
+Each launcher option falls back to an environment variable, its own name first and then the `PET_*`
+one that torchrun and the Kubeflow operator use (e.g. --nnodes: NNODES, then PET_NNODES). With more
+than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob's Master replica)
+hosts the c10d rendezvous.
+
+The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
+One signal handler, installed first thing in main(), serves the launcher's whole life: stop signals
+(TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
+torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
+("requeue me") if a checkpoint of this launch was written after the stop, or if the stop came before
+training began (nothing was trained since the last checkpoint). The workers tell each node's launcher
+how they ended in markers named by its launch's id (TRAIN_LAUNCH_ID; <run_dir>/.launch/), never by clocks,
+and judged by torchrun's round that ended (_verdict). A rendezvous host still down at the join timeout is 75
+(nothing trained); --max-failed-launches launches in a row that fail at one checkpoint step end in 2 (History).
+The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
+the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
+them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
+When torchrun fails, the launcher ends with one line saying why and what to try.
+REQUEUE_EXIT_CODE replaces the launcher's 75 by another code, for a scheduler that retries only some codes
+(a PyTorchJob's restartPolicy: ExitCode restarts 128-255 and fails the job on 1-127: k8s/pytorchjob.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from train import config
+from train.errors import EXIT_REQUEUE, EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
+from train.launch.command import (
+    REQUEUE_CODE_VAR,
+    check_training_args,
+    check_world,
+    parse_args,
+    requeue_exit_code,
+    resolve,
+    torchrun_command,
+    worker_env,
+)
+from train.launch.rendezvous import NotUp, wait_for_rendezvous
+from train.launch.signals import Signals, Stopped, alive, say
+from train.launch.verdict import QUIET_TRACEBACK, History, verdict
+from train.stops import markers
+
+
+def main(argv: list[str] | None = None) -> int:
+    rc = _main(argv)
+    if rc == EXIT_REQUEUE and (code := requeue_exit_code(os.environ)) != EXIT_REQUEUE:
+        print(f"launch: exit {code} in place of {EXIT_REQUEUE} ({REQUEUE_CODE_VAR}={code}): the scheduler retries "
+              f"it", file=sys.stderr)
+        return code
+    return rc
+
+
+def _main(argv: list[str] | None) -> int:
+    signals = Signals()
+    signals.install()  # first: a stop during the launcher's own work is never lost, nor kills it half-way
+    args, train_args = parse_args(argv)
+    try:
+        requeue_exit_code(os.environ)  # a bad value is a usage error now, not at the end of a run
+        cfg = check_training_args(train_args)
+        opts = resolve(args, os.environ)
+        cmd = torchrun_command(opts, train_args)
+        check_world(cfg, cmd)
+        if not args.dry_run:
+            from train.observe.log import make_run_dir  # imports torch, which torchrun needs next anyway
+
+            # Here, once: a worker could not even leave its usage-error marker in an unwritable folder,
+            # and torchrun would restart it as a crash.
+            make_run_dir(cfg.run_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+        return 0
+    history = History(cfg.run_dir, opts)
+    try:
+        rc = _launch(args, opts, cmd, cfg, train_args, signals)
+    except NotUp as e:  # nothing was trained: the job should be retried (PyTorchJob: 143, recreated), a few times
+        say(f"launch: {e}")
+        return history.end(EXIT_REQUEUE, failed=True)
+    return history.end(rc, failed=rc == 1)
+
+
+def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str], cfg: config.Config,
+            train_args: list[str], signals: Signals) -> int:
+    """Wait for the rendezvous host, run the doctor if asked, then the training's torchrun: the exit code."""
+    try:
+        if opts["rdzv_endpoint"]:
+            try:
+                opts = wait_for_rendezvous(opts, signals)
+            except NotUp:
+                raise
+            except RuntimeError as e:
+                say(f"error: {e}")
+                return 1
+            cmd = torchrun_command(opts, train_args)
+        debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
+        if args.doctor or os.environ.get("LAUNCH_DOCTOR", "0") not in ("", "0"):
+            # Once (a failed check is not retried), with its own rendezvous id: a finished rendezvous is
+            # closed and could not host the training.
+            doctor = torchrun_command(opts | {"rdzv_id": f"{opts['rdzv_id']}-doctor", "max_restarts": "0"},
+                                      train_args, "train.doctor")
+            print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
+            signals.check()
+            failure = "error: the preflight doctor failed: see its FAIL rows above"
+            if (rc := _run(doctor, opts, cfg, signals, failure, debug)) != 0:
+                return rc
+        signals.check()
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+        return _run(cmd, opts, cfg, signals, debug=debug)
+    except Stopped as e:
+        say(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
+             f"relaunch to continue (exit {EXIT_REQUEUE})")
+        return EXIT_REQUEUE
+
+
+def _wait_for(pids: set[int], deadline: float) -> set[int]:
+    """Wait until these processes have ended or the deadline passed; returns those still running."""
+    while (left := {p for p in pids if alive(p)}) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signals: Signals,
+         failure: str | None = None, debug: bool = False) -> int:
+    """Run torchrun (the training's, or with `failure` the doctor's), passing stop signals on; map its end
+    to 0, 75 (stopped after a checkpoint, or before training began: requeue) or 1 (one line)."""
+    launch_id = uuid.uuid4().hex
+    budget = int(opts["stop_timeout"])
+    env = worker_env(os.environ, cfg.run_dir, debug) | {LAUNCH_ID_VAR: launch_id}
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and "PET_SIGNALS_TO_HANDLE" not in env:
+        # nohup: torchrun must not turn a hang-up into a stop either (its --signals-to-handle, TERM, INT, HUP
+        # and QUIT by default); left ignored, SIGHUP stays ignored in torchrun and in the workers it starts.
+        env["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGQUIT"
+    if debug:
+        (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
+    proc = signals.run(cmd, env)
+    stop = signals.received
+    tail: list[str] = []
+    usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
+
+    def pump():
+        held: list[str] = []  # a traceback, kept back until its last line says what it is
+        chained = False  # a dropped traceback's "The above exception ..." lines are dropped with it
+        for line in proc.stderr:
+            tail.append(line)
+            del tail[:-400]
+            if not held and line.startswith("Traceback (most recent call last):"):
+                held.append(line)
+                continue
+            if held:
+                held.append(line)
+                if line.startswith(" ") or not line.strip():  # (a traceback may hold an empty line)
+                    continue
+                # torchrun's own SignalException is how it acknowledges a stop (sent to the launcher, or to
+                # torchrun itself); a rendezvous error is said in the launcher's last line: neither is news.
+                quiet = "SignalException" in line or QUIET_TRACEBACK.search(line)
+                lines, held, chained = ([] if quiet else held), [], bool(quiet)
+            elif chained and (not line.strip() or line.startswith(("The above exception", "During handling"))):
+                continue
+            else:
+                lines, chained = [line], False
+            sys.stderr.writelines(lines)
+            sys.stderr.flush()
+        sys.stderr.writelines(held)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    while (rc := _wait(proc, 0.5)) is None:
+        signals.see()
+        if not usage and not stop and (marker := markers.read(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
+            usage.append(marker.get("error", "a usage error"))
+            proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries
+    if stop:
+        # torchrun ends early when a third SIGTERM reaches it (SLURM signals every process of the step,
+        # and so does this launcher): the workers are still saving. Leaving now would let the scheduler
+        # kill them; wait for them within the stop budget, as torchrun would have.
+        left = _wait_for(signals.workers, stop[0][1] + budget + 5)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    pumping.join(timeout=5)
+    try:
+        return verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+    finally:
+        markers.forget(cfg.run_dir, launch_id)

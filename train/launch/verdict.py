@@ -1,0 +1,164 @@
+"""How a launch ended, in one exit code and one line: the workers' markers of the round that ended, the
+launches before it (History: the same checkpoint step failing again and again), and torchrun's output
+explained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from train import config
+from train.errors import EXIT_REQUEUE, EXIT_USAGE
+from train.launch.rendezvous import split_endpoint
+from train.launch.signals import SAID, Signals, Stopped, say
+from train.stops import markers
+
+# The last line of a torchrun traceback that the launcher's one line explains: the traceback is not shown.
+QUIET_TRACEBACK = re.compile(r"^(torch\.distributed\.\S*)?(RendezvousConnectionError|RendezvousTimeoutError|"
+                             r"RendezvousClosedError|DistNetworkError|DistStoreError)\b")
+
+# What torchrun's output says, and what to tell the user (first match wins).
+HINTS = [
+    (re.compile(r"(?s)\A(?=.*RendezvousConnectionError)"  # the store answered once, then the connection broke
+                r"(?=.*(Failed to recv|Connection was likely closed|Connection reset by peer|Broken pipe))"),
+     "the rendezvous host {endpoint} was lost (its c10d store stopped answering): the other nodes cannot go on "
+     "without it; restart the job on every node with the same --rdzv-id (a scheduler's restart does): it resumes "
+     "from the latest checkpoint"),
+    (re.compile(r"EADDRINUSE|Address already in use"),
+     "the rendezvous port {port} is already in use on {host}: choose another --rdzv-endpoint port, or stop "
+     "what holds it (ss -ltnp 'sport = :{port}')"),
+    (re.compile(r"RendezvousTimeoutError"),
+     "rendezvous timed out: not every node joined {endpoint} in time; check that each node runs the same "
+     "--rdzv-id and --rdzv-endpoint, that {endpoint} is reachable from every node, or raise "
+     "--rdzv-conf join_timeout=SECONDS"),
+    (re.compile(r"RendezvousConnectionError|DistNetworkError|Connection refused|Name or service not known"),
+     "cannot reach the rendezvous at {endpoint}: is the first node up, does its name resolve here, and is "
+     "the port open between nodes?"),
+    (re.compile(r"collective timed out|Timed out waiting|Watchdog caught collective operation timeout"),
+     "a collective timed out: a rank hung or died (see the per-rank logs in the run directory); raise "
+     "dist.timeout_s if steps are legitimately slower"),
+]
+
+
+def explain(output: str, opts: dict[str, str | None]) -> str:
+    """One line: why torchrun failed and what to try."""
+    endpoint = opts["rdzv_endpoint"] or "the local rendezvous"
+    host, port = split_endpoint(opts["rdzv_endpoint"]) if opts["rdzv_endpoint"] else ("localhost", "?")
+    for pattern, hint in HINTS:
+        if pattern.search(output):
+            return hint.format(endpoint=endpoint, host=host, port=port)
+    restarts = opts["max_restarts"]
+    block = output.rpartition("Root Cause")[2].split("=" * 20)[0]
+    fields = dict(re.findall(r"^\s*(host|rank|exitcode)\s*:\s*(-?\S+)", block, re.M))
+    if len(fields) == 3:
+        rank, where, code = fields["rank"], fields["host"], fields["exitcode"]
+        how = f"was killed by signal {-int(code)}" if int(code) < 0 else f"exited with code {code}"
+        return (f"rank {rank} on {where} {how}, and torchrun gave up after {restarts} restart(s) "
+                f"(--max-restarts={restarts}); see its log in the run directory")
+    return f"torchrun failed (--max-restarts={restarts}); see the output above and the run directory's logs"
+
+
+class History:
+    """Restart loops: a job whose every launch fails before its checkpoint step advances (a bad node, a data
+    file that crashes a worker, a rendezvous host that never comes up) would be requeued or recreated for
+    ever. Each node's launcher keeps, in <run_dir>/.launch/history[.<node>].json (written atomically), the
+    step its launches started from and how many in a row failed there; the launch that makes it
+    --max-failed-launches ends with exit 2 (the scheduler stops retrying) and one line naming the step and
+    its last failure. A launch that advances the step or finishes starts the count again; a stop (a
+    preemption) neither counts nor resets it; after the exit 2 the count starts again, for the relaunch by
+    hand."""
+
+    def __init__(self, run_dir: Path, opts: dict[str, str | None]) -> None:
+        self.limit = int(opts.get("max_failed_launches") or 0)
+        node = "" if opts["nnodes"] == "1" else "." + re.sub(r"[^\w.-]", "_", opts["node_rank"] or socket.gethostname())
+        self.path = run_dir / ".launch" / f"history{node}.json"
+        self.checkpoints = run_dir / "checkpoints"
+        self.start = self._step()
+
+    def _step(self) -> int:
+        from train.checkpoint.storage import NAME, complete_checkpoints  # imports torch, as torchrun does anyway
+
+        found = complete_checkpoints(self.checkpoints)
+        return int(NAME.match(found[0].name).group(1)) if found else 0
+
+    def _read(self) -> dict:
+        try:
+            found = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def _write(self, record: dict | None) -> None:
+        with contextlib.suppress(OSError):  # the count is a safeguard: a run directory that refuses it still runs
+            if record is None:
+                self.path.unlink(missing_ok=True)
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+
+    def end(self, rc: int, failed: bool) -> int:
+        """The launcher's exit code, rc or 2 for a restart loop; updates the history."""
+        if rc == 0 or self._step() > self.start:
+            self._write(None)
+            return rc
+        if not failed:
+            return rc
+        before = self._read()
+        count = before.get("failed", 0) + 1 if before.get("step") == self.start else 1
+        last = SAID[0] if SAID else f"exit {rc}"
+        if self.limit and count >= self.limit:
+            self._write(None)
+            say(f"error: {count} launches in a row failed without advancing the checkpoint past step {self.start} "
+                 f"(the last: {last.removeprefix('error: ').removeprefix('launch: ')}): not retried (exit "
+                 f"{EXIT_USAGE}); fix the cause and relaunch, or raise --max-failed-launches (MAX_FAILED_LAUNCHES)")
+            return EXIT_USAGE
+        self._write({"step": self.start, "failed": count, "last": last, "time": time.time()})
+        return rc
+
+
+def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budget: int, usage: list[str],
+             tail: list[str], opts: dict[str, str | None], failure: str | None) -> int:
+    """The launcher's exit code for how torchrun ended, and its last line. torchrun's restarts (--max-restarts)
+    keep the launch's id: a STOPPED or STARTED marker counts only if the round that ended wrote it, the round
+    running when the stop came, else the last one torchrun ran (whose workers cleared the markers of the
+    rounds before it, train/__main__.py)."""
+    stop = signals.received
+    if rc == 0:
+        return 0
+    if usage:
+        say(f"error: {usage[0]} (found by the workers; not retried)")
+        return EXIT_USAGE
+    if failure is not None and stop:
+        raise Stopped(signals.name)  # the doctor trains nothing
+    if stop and markers.read(cfg.run_dir, "FINISHED", launch_id) is not None:
+        say("launch: the run finished before the stop took effect (exit 0)")
+        return 0
+    found = {name: markers.read(cfg.run_dir, name, launch_id) for name in ("STARTED", "STOPPED")}
+    ended = signals.round if stop else max([signals.last_round, *(m.get("round", 0) for m in found.values() if m)])
+    started, stopped = (m if m is not None and m.get("round", 0) == ended else None for m in found.values())
+    if stopped is not None:
+        name = signals.name if stop else stopped.get("signal") or "a peer rank signal"
+        say(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})")
+        return EXIT_REQUEUE
+    if stop and started is None:
+        say(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
+             f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})")
+        return EXIT_REQUEUE
+    if stop:
+        say(f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
+             f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
+             f"plus one checkpoint save plus a margin), and the scheduler's grace period above it")
+        return 1
+    if failure is None and (hang := markers.read(cfg.run_dir, "HANG", launch_id)) is not None:
+        say(f"error: {hang.get('error', 'a collective timed out')}")  # train/parallel/hang.py's line
+        return 1
+    say(failure or f"error: {explain(''.join(tail), opts)}")
+    return 1
