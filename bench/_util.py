@@ -70,3 +70,19 @@ def write_json(path: str | None, figures: dict) -> None:
     """Each benchmark's figures, for bench/run_all.py to put into BENCHMARKS.md."""
     if path:
         Path(path).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def end_baseline(rank: int, out: Path, times: list[float]) -> None:
+    """The end of a bare DDP loop (user_ddp.py, bare_gpt.py): rank 0 writes its step times, then every rank
+    leaves without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
+    that frees a tensor while Python finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "times.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

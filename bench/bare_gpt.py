@@ -13,9 +13,7 @@ no stop handling. Rank 0 writes OUT_DIR/times.json: the wall clock (time.time())
 """
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _util import end_baseline
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -90,13 +89,4 @@ for it in range(args.steps):
     times.append(time.time())
     if rank == 0 and (it + 1) % args.log_every == 0:
         print(f"iter {it + 1}: loss {loss.item():.4f}", flush=True)
-if rank == 0:
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "times.json").write_text(json.dumps(times))
-dist.destroy_process_group()
-# Out without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
-# that frees a tensor while Python finalizes aborts the process ("terminate called without an active
-# exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more).
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+end_baseline(rank, args.out, times)

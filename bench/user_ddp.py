@@ -11,10 +11,7 @@ OUT_DIR/times.json: the wall clock after each step.
 """
 
 import argparse
-import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from _util import end_baseline
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.transforms import v2
@@ -69,13 +67,4 @@ while step < args.steps:
         if step == args.steps:
             break
     epoch += 1
-if rank == 0:
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "times.json").write_text(json.dumps(times))
-dist.destroy_process_group()
-# Out without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
-# that frees a tensor while Python finalizes aborts the process ("terminate called without an active
-# exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more).
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+end_baseline(rank, args.out, times)

@@ -18,6 +18,7 @@ NODES=${NODES:-2}
 CPUS=${CPUS:-2}
 STATE=${SLURM_LOCAL_STATE:-/var/lib/ddp-template-slurm}
 CONF=/etc/slurm/slurm.conf
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 MARK="# written by ddp-template slurm/local-cluster.sh"
 HOSTS_MARK="# ddp-template slurm/local-cluster.sh"
 
@@ -57,25 +58,7 @@ SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdPidFile=$STATE/slurmd.%n.pid
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmdLogFile=$STATE/log/slurmd.%n.log
-SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-MailProg=/bin/true
-ReturnToService=2
-JobRequeue=1
-KillWait=30
-MinJobAge=600
-SlurmdTimeout=60
-InactiveLimit=0
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_interval=2
+$(grep -v "^#" "$HERE/cluster.conf")
 NodeName=n[1-$NODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-$last] CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF

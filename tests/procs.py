@@ -119,3 +119,14 @@ def logged_steps(run_dir: Path) -> list[int]:
     """The steps of the training-loss lines of metrics.jsonl, in file order, duplicates kept."""
     path = run_dir / "metrics.jsonl"
     return [m["step"] for m in metrics(run_dir) if "loss" in m] if path.exists() else []
+
+
+def stop_at(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> str:
+    """SIGTERM to a launch (the launcher, or torchrun) once its metrics log `step`, then its end, which must be
+    a stop after a checkpoint (exit 75); returns its stdout."""
+    wait_for(lambda: proc.poll() is not None or any(st >= step for st in logged_steps(run_dir)), timeout,
+             f"step {step}")
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    return out

@@ -24,7 +24,7 @@ from tests.conftest import (
     run_train,
     summary,
 )
-from tests.procs import finish, logged_steps, wait_for
+from tests.procs import finish, logged_steps, stop_at, wait_for
 from train.checkpoint import dcp_io
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
@@ -154,10 +154,7 @@ def test_stop_and_resume_under_fsdp_is_bitwise(tmp_path, lm_runs):
     opts = ["dist.strategy=fsdp", "train.activation_checkpointing=true"]
     proc = subprocess.Popen(lm_cmd(run, *opts, launcher=True), cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(lambda: proc.poll() is not None or any(st >= 5 for st in logged_steps(run)), 180, "step 5")
-    proc.send_signal(signal.SIGTERM)
-    rc, _, err = finish(proc)
-    assert rc == 75, err[-3000:]
+    stop_at(proc, run, 5)
     assert 5 <= latest_state(run)["step"] < 20
     run_lm(run, *opts, launcher=True)
     assert_same_training(ref, run)

@@ -4,14 +4,13 @@ same for every task: tests/test_checkpoint_format.py.)"""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, summary
-from tests.procs import finish, logged_steps, wait_for
+from tests.procs import finish, stop_at
 
 # configs/gpt.yaml shrunk: windows of 32 tokens, 64 of them (4 steps of 16 an epoch), 2 micro-steps of 4 a rank
 # on 2 ranks (accumulation), bf16 autocast.
@@ -67,10 +66,7 @@ def test_bf16_accumulation_stop_mid_epoch_and_bitwise_resume(tmp_path):
 
     proc = subprocess.Popen(lm_cmd(run, *steps, launcher=True), cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(lambda: proc.poll() is not None or any(st >= 10 for st in logged_steps(run)), 180, "step 10")
-    proc.send_signal(signal.SIGTERM)
-    rc, _, err = finish(proc)
-    assert rc == 75, err[-3000:]
+    stop_at(proc, run, 10)
     stopped = latest_state(run)
     assert 10 <= stopped["step"] < 40 and stopped["data"]["samples_in_epoch"] % 64, stopped["data"]  # mid-epoch
     rc, _, err = finish(subprocess.Popen(lm_cmd(run, *steps, launcher=True), cwd=ROOT, env=clean_env(),

@@ -48,25 +48,7 @@ SlurmctldLogFile={state}/log/slurmctld.log
 SlurmdPidFile={state}/slurmd.%n.pid
 SlurmdSpoolDir={state}/spool/%n
 SlurmdLogFile={state}/log/slurmd.%n.log
-SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-MailProg=/bin/true
-ReturnToService=2
-JobRequeue=1
-KillWait=30
-MinJobAge=600
-SlurmdTimeout=60
-InactiveLimit=0
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_interval=2
+{common}
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
@@ -110,7 +92,9 @@ class SlurmHosts:
         for d in ("ctld", "log", *(f"spool/{n}" for n in self.NODES)):
             (st / d).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 State=UNKNOWN" for h in self.hosts[1:])
-        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes))
+        common = "".join(line for line in (ROOT / "slurm" / "cluster.conf").read_text().splitlines(keepends=True)
+                         if not line.startswith("#"))
+        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes, common=common.rstrip("\n")))
         # munge: a key of its own (owned by root, who runs everything here), its socket on the shared
         # file system, reached from every host as munge's socket is on a cluster node.
         key = st / "munge.key"

@@ -3,7 +3,6 @@ task file can be wrong, each one line and exit 2 before anything is written."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, summary
-from tests.procs import finish, logged_steps, wait_for
+from tests.procs import finish, stop_at
 from train.config import ConfigError
 from train.task import first_tensor
 
@@ -38,11 +37,7 @@ def test_the_example_task_stops_on_sigterm_and_resumes_bitwise_through_the_launc
     first = next(m["loss"] for m in metrics(ref) if "loss" in m)
     assert s["eval_loss"] < 0.5 * first, (first, s)  # it learns
 
-    proc = launch_example(run)
-    wait_for(lambda: proc.poll() is not None or any(st >= 50 for st in logged_steps(run)), 180, "step 50")
-    proc.send_signal(signal.SIGTERM)
-    rc, out, err = finish(proc)
-    assert rc == 75, err[-3000:]
+    stop_at(launch_example(run), run, 50)
     stopped = latest_state(run)["step"]
     assert 50 <= stopped < 400, stopped
     rc, out, err = finish(launch_example(run))
