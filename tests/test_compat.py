@@ -19,7 +19,16 @@ from tests.conftest import (
     run_train,
     train_losses,
 )
-from tests.fixtures.previous_release import FIXTURES, OLD, REGRESSION, RELEASE, STEPS, have, write_old_run
+from tests.fixtures.previous_release import (
+    FIXTURES,
+    OLD,
+    REGRESSION,
+    RELEASE,
+    STEPS,
+    have,
+    write_old_run,
+    write_run,
+)
 from train.checkpoint import convert, dcp_io
 
 LATER = f"train.steps={STEPS + 2}"
@@ -37,10 +46,16 @@ def assert_same_first_steps(ref, run, written_by: str) -> None:
 
 
 def test_the_previous_releases_checkpoint_resumes_bitwise(tmp_path):
-    """RELEASE's 2-rank run, stopped at step 2 (committed: tests/fixtures/<RELEASE>/), continued by today's
-    code: every logged loss (its steps 1-2 included) and the final weights and optimizer state are those of
-    today's uninterrupted run."""
-    run = copy_run(FIXTURES / RELEASE, tmp_path / "run")
+    """RELEASE's 2-rank run, stopped at step 2, continued by today's code: every logged loss (its steps 1-2
+    included) and the final weights and optimizer state are those of today's uninterrupted run. The run is
+    written by RELEASE's own code here where the clone holds it (its numbers are this CPU's, as today's run's
+    are); a clone without it uses the committed one (tests/fixtures/<RELEASE>/), whose numbers are those of the
+    CPU it was written on."""
+    run = tmp_path / "run"
+    if have(RELEASE):
+        write_run(RELEASE, run, REGRESSION, nproc=2)
+    else:
+        copy_run(FIXTURES / RELEASE, run)
     proc = run_train(run, *REGRESSION, LATER, nproc=2, tiny=False)
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
     run_train(tmp_path / "ref", *REGRESSION, LATER, nproc=2, tiny=False)

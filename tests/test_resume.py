@@ -368,7 +368,7 @@ def test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_
     own = ckpts / f"step_{stopped - 2:08d}"
     assert f"resumed from {own} at step {stopped - 2}" in proc.stdout, proc.stdout
     lines = [line for line in proc.stdout.splitlines() if f"resume={base}" in line]
-    assert len(lines) == 1 and "checkpoints of its own" in lines[0], proc.stdout
+    assert len(lines) == 1 and "PATH, the run directory holds its own: a relaunch" in lines[0], proc.stdout
     # metrics.jsonl is truncated only to the step resumed from: the lines before it are the ones first written
     after = metrics(branch)
     assert [m for m in after if m["step"] <= stopped - 2] == [m for m in before if m["step"] <= stopped - 2]
