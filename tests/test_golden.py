@@ -1,7 +1,8 @@
 """Golden numbers: the first losses and evaluations of the ResNet (TINY) and of the tiny language model on 2 CPU
 ranks, compared with tests/golden.json to a relative 1e-4 (RTOL). A change that moves any of them (the initial
 weights, the data or its augmentation, the sampler, the optimizer, the loss, the averaging over ranks) fails
-here, so that numbers move only on purpose. When they are meant to move, write the file again and commit it with the change:
+here, so that numbers move only on purpose. When they are meant to move, write the file again and commit it
+with the change:
 
     GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/test_golden.py
 
