@@ -100,7 +100,8 @@ def main() -> None:
                    "--config", args.config, f"run.dir={d}/run-{name}", "log.wandb.mode=disabled", "log.report=false",
                    "task.vocab_size=256", "task.data=builtin", "task.train_tokens=20000", "task.eval_tokens=5000",
                    "task.seq_len=64", f"task.n_layer={args.layers}", f"task.n_embd={args.embd}", "task.n_head=8",
-                   f"dist.strategy={args.strategy}", "data.num_workers=0", "resume=never", *overrides]
+                   f"dist.strategy={args.strategy}", "data.num_workers=0", "resume=never",
+                   f"train.global_batch_size={args.nproc}", "train.micro_batch_size=1", *overrides]
             subprocess.run(cmd, cwd=ROOT, env=env(), check=True)
             results[name] = json.loads(out.read_text())
             r = results[name]

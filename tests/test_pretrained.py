@@ -127,3 +127,45 @@ def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case
     lines = [line for line in err.splitlines() if line.strip()]
     assert words in lines[-1] and lines[-1].startswith("error: task.init_from"), err[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _build(tmp_path: Path, name: str, *args: str) -> dict:
+    """bench/build_memory.py: the trainer's build on real ranks; its figures (and --save's weights)."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([PY, "bench/build_memory.py", "--only", "meta", "--json", str(out), *args], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path):
+    """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP,
+    2 and 3 ranks under FSDP (3: shards of unequal sizes) start from the same bits, so comparing FSDP with
+    DDP still compares like with like."""
+    weights = {}
+    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-2", 2, "fsdp"), ("fsdp-3", 3, "fsdp")):
+        _build(tmp_path, name, f"--nproc={nproc}", f"--strategy={strategy}", "--layers=2", "--embd=64",
+               "--save", str(tmp_path / f"{name}.pt"))
+        weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    ref = weights["ddp-1"]
+    for name, w in weights.items():
+        assert w.keys() == ref.keys(), name
+        for k in ref:
+            assert torch.equal(w[k], ref[k]), f"{name}: {k} differs from one rank's"
+    fc = ref["transformer.h.0.mlp.c_fc.weight"]
+    assert not torch.equal(fc[: len(fc) // 2], fc[len(fc) // 2:])  # no rank repeats another's rows
+    assert abs(fc.std().item() - 0.02) < 0.002 and torch.equal(ref["transformer.h.0.ln_1.weight"],
+                                                              torch.ones(64))
+
+
+def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tmp_path):
+    """A 200M-parameter GPT (770 MiB of fp32 weights, M) under FSDP on 2 ranks: each rank's peak RSS while the
+    trainer builds it stays under M / 2 plus a constant, where a model built whole on each rank's CPU costs
+    every rank M. The constant is measured: what the same build of a tiny model costs (the modules FSDP
+    imports at its first use, 120 MiB here), plus 128 MiB for one whole tensor while it is initialized and
+    the allocator's slack (measured: 40)."""
+    small = _build(tmp_path, "small", "--nproc=2", "--strategy=fsdp", "--layers=2", "--embd=64")
+    big = _build(tmp_path, "big", "--nproc=2", "--strategy=fsdp", "--layers=16", "--embd=1024")
+    m = big["build_model_mib"]
+    assert 700 < m < 900, m
+    assert big["build_peak_mib_meta"] < m / 2 + small["build_peak_mib_meta"] + 128, (big, small)
