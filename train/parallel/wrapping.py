@@ -102,6 +102,16 @@ def materialize(model: nn.Module, task, device: torch.device, seed: int) -> None
                           f"model its memory: make it a parameter or buffer of the model")
 
 
+def whole_model(task, device: torch.device, seed: int) -> nn.Module:
+    """The task's model whole on `device`, with its initial values (a meta-built one materialized): for one
+    process outside training (a benchmark, a test, an inference script)."""
+    model = task.model()
+    if on_meta(model):
+        materialize(model, task, device, seed)
+        return model
+    return model.to(device)
+
+
 def no_sync(wrapped: nn.Module):
     """A micro-step that only accumulates gradients: no all-reduce (DDP) or reduce-scatter (FSDP)."""
     if isinstance(wrapped, DDP):
