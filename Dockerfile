@@ -26,9 +26,9 @@ FROM python:3.11.14-slim-bookworm AS deps
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY requirements.txt /tmp/requirements.txt
+COPY requirements.txt requirements-hf.txt /tmp/
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt -r /tmp/requirements-hf.txt
 
 # ---- stage 2: the runtime (no pip cache, no build leftovers)
 FROM python:3.11.14-slim-bookworm

@@ -23,8 +23,9 @@ $(VENV)/.deps: requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	@touch $@
 
-$(VENV)/.dev: $(VENV)/.deps requirements-dev.txt
-	$(PY) -m pip install -q -r requirements-dev.txt
+# The development set-up adds the tests' tools and the optional Hugging Face trio (requirements-hf.txt).
+$(VENV)/.dev: $(VENV)/.deps requirements-dev.txt requirements-hf.txt
+	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-hf.txt
 	@touch $@
 
 venv: $(VENV)/.deps

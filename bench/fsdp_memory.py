@@ -48,8 +48,12 @@ def worker(rank: int, world: int, port: int, model: str, strategy: str, out) -> 
                                                "optim.name=adamw"])
         torch.manual_seed(0)
         task = cfg.task_class(cfg.task, 0)
-        net = task.model()
-        wrapped = wrapping.wrap(cfg, task, net, torch.device("cpu"))
+        net, cpu = task.model(), torch.device("cpu")  # on the meta device: given its memory as the trainer does
+        if strategy == "ddp":
+            wrapping.materialize(net, task, cpu, 0)
+        wrapped = wrapping.wrap(cfg, task, net, cpu)
+        if strategy == "fsdp":
+            wrapping.materialize(net, task, cpu, 0)
         optimizer = optim.build(cfg.optim, net)
         T = task.gpt_config().block_size
         x = torch.randint(0, task.gpt_config().vocab_size, (2, T + 1))

@@ -81,8 +81,10 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
                      warmup: int = 3) -> tuple[float, float | None]:
     """Tokens/s of the LM task's own model, loss and FLOP count (random tokens: the speed does not depend on
     them); and the MFU where the device's peak is known."""
+    from train.parallel import wrapping
+
     task = LanguageModel(LanguageModel.Config(data="shards", model=preset), 0)  # data is never read here
-    net = task.model().to(device)
+    net = wrapping.whole_model(task, device, 0)
     seq, vocab = task.gpt_config().block_size, task.gpt_config().vocab_size
     opt = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda")
     step_model = torch.compile(net) if compile_ else net
@@ -112,8 +114,12 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
                                            "train.precision=bf16", f"dist.strategy={strategy}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
-    net = task.model().to(device)
+    net = task.model()  # on the meta device: given its memory as the trainer does
+    if strategy == "ddp":
+        wrapping.materialize(net, task, device, 0)
     wrapped = wrapping.wrap(cfg, task, net, device)
+    if strategy == "fsdp":
+        wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _util import PY, ROOT
 
-BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "gpu"]
+BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "gpu"]
 # --smoke: throughput.py's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead.py's.
 SHARED = {"overhead": ("--runs-dir", "overhead"), "throughput": ("--imagefolder-run", "overhead/ours0")}
 
@@ -57,6 +57,10 @@ ROWS = [
     ("async save: training blocked / synchronous save", "async_blocking_ratio", "<= 0.05", lambda v: v <= 0.05),
     ("async save: step time while it writes / without", "step_slowdown_during_async_save", "<= 1.2",
      lambda v: v <= 1.2),
+    ("building a model of M bytes (the GPT, 200M parameters), 2 gloo ranks, FSDP: M, MiB", "build_model_mib", "", None),
+    ("  peak RSS per rank / M, built on the meta device", "build_peak_over_m_meta", "<= 0.75",
+     lambda v: v <= 0.75),
+    ("  peak RSS per rank / M, built whole on the CPU (as before)", "build_peak_over_m_cpu", "", None),
     ("recovery after SIGKILL of a worker: total, s", "recovery_total_s", "", None),
     ("  detection, s", "recovery_detection_s", "", None),
     ("  restart (stop group + rendezvous), s", "recovery_restart_s", "", None),

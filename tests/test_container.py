@@ -74,6 +74,9 @@ def test_dockerfile_passes_hadolint():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+REQUIREMENTS = ("requirements.txt", "requirements-hf.txt")  # what the image installs: the runtime, the HF trio
+
+
 def test_the_image_installs_the_requirements_ci_installs_and_tests():
     steps = dockerfile_instructions()
     installs = [rest for word, rest in steps if word == "RUN" and "pip install" in rest]
@@ -84,19 +87,24 @@ def test_the_image_installs_the_requirements_ci_installs_and_tests():
                 continue
             words = command.split()
             packages = [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
-            # Only requirement files, and only the one CI installs: no package named in the Dockerfile.
-            assert all(p.endswith("requirements.txt") for p in packages), command
+            # Only requirement files, and only those CI installs: no package named in the Dockerfile.
+            assert all(p.endswith(REQUIREMENTS) for p in packages), command
             assert "-r" in words or "--requirement" in words, command
     copies = [rest.split() for word, rest in steps if word == "COPY" and "requirements" in rest]
-    assert copies and all(c[0] == "requirements.txt" for c in copies), copies
-    # CI (make test) installs the same file: requirements-dev.txt includes it, the venv target installs it.
+    assert copies and all(set(c[:-1]) <= {*REQUIREMENTS, "/tmp/"} for c in copies), copies
+    # CI (make test) installs the same files: requirements-dev.txt includes the runtime's, the dev target adds
+    # the Hugging Face trio's, the venv target installs the runtime's alone (make train-local needs no more).
     assert "-r requirements.txt" in _requirements(ROOT / "requirements-dev.txt")
-    assert re.search(r"pip install .*-r requirements\.txt", (ROOT / "Makefile").read_text())
-    # Every runtime requirement is pinned, and the versions the tests run with are those pins.
-    for req in _requirements(ROOT / "requirements.txt"):
-        name, sep, version = req.partition("==")
-        assert sep and re.fullmatch(r"[\w.+-]+", version), f"not pinned exactly: {req}"
-        assert metadata.version(name).split("+")[0] == version, f"{name}: tested {metadata.version(name)}, pin {req}"
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"pip install .*-r requirements\.txt", makefile)
+    assert re.search(r"pip install .*-r requirements-hf\.txt", makefile)
+    # Every requirement is pinned, and the versions the tests run with are those pins.
+    for file in REQUIREMENTS:
+        for req in _requirements(ROOT / file):
+            name, sep, version = req.partition("==")
+            assert sep and re.fullmatch(r"[\w.+-]+", version), f"{file}: not pinned exactly: {req}"
+            tested = metadata.version(name).split("+")[0]
+            assert tested == version, f"{name}: tested {tested}, pin {req}"
 
 
 def test_image_conventions():

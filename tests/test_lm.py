@@ -22,6 +22,7 @@ from tests.conftest import PY, ROOT, after_import, clean_env
 from tests.test_lm_train import lm_cmd
 from train import prepare
 from train.config import ConfigError
+from train.parallel import wrapping
 from train.tasks import shards
 from train.tasks.gpt import BUILTIN_VOCAB, LanguageModel, builtin_entropy, builtin_tokens
 from train.tasks.gpt_model import GPT, PRESETS, preset
@@ -372,6 +373,22 @@ def test_gpt_is_causal_and_initialised_as_gpt2():
     assert abs(proj - 0.02 / math.sqrt(6)) < 0.003 and abs(m.transformer.h[0].mlp.c_fc.weight.std() - 0.02) < 0.003
 
 
+def test_the_task_builds_on_the_meta_device_and_gives_gpt2_s_initial_values():
+    """The task's GPT is built on meta (no memory) and filled by init_parameter as GPT-2's constructor would:
+    LayerNorms 1 and 0, biases 0, weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)),
+    the output layer tied to the embedding through the materialization."""
+    t = task(model="nano", n_layer=3, n_embd=64, n_head=2)
+    assert wrapping.on_meta(t.model())
+    m = wrapping.whole_model(t, torch.device("cpu"), 0)
+    assert not wrapping.on_meta(m) and m.lm_head.weight is m.transformer.wte.weight
+    block = m.transformer.h[1]
+    assert torch.equal(block.ln_1.weight, torch.ones(64)) and torch.equal(block.ln_1.bias, torch.zeros(64))
+    assert torch.equal(block.attn.c_attn.bias, torch.zeros(192))
+    assert abs(block.attn.c_proj.weight.std().item() - 0.02 / math.sqrt(6)) < 0.002
+    assert abs(block.mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    assert torch.equal(wrapping.whole_model(t, torch.device("cpu"), 0).transformer.wte.weight, m.transformer.wte.weight)
+
+
 def test_task_flops_and_metrics_follow_nanogpt():
     t = task(model="gpt2", data="/nowhere")  # the data is read by datasets() only
     with torch.device("meta"):
@@ -393,8 +410,7 @@ def test_config_errors_name_the_key():
 def test_a_few_steps_of_the_nano_model_on_the_builtin_corpus_reduce_the_loss():
     t = task(model="nano", seq_len=32, train_tokens=20_000, eval_tokens=4096)
     train, val = t.datasets()
-    torch.manual_seed(0)
-    m = t.model()
+    m = wrapping.whole_model(t, torch.device("cpu"), 0)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     batch = [torch.stack(z) for z in zip(*(val[i] for i in range(len(val))), strict=True)]
     with torch.no_grad():

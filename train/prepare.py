@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         train = write_split(tokens[:len(tokens) - n_val], outdir, name, "train", args, bar)
     print(f"{len(tokens) - n_val} training tokens in {len(train)} shard(s), {n_val} validation tokens in "
           f"{len(val)}, vocabulary {VOCAB[args.tokenizer]} ({args.tokenizer}), {args.format} format: {outdir}")
-    vocab = 50304 if args.tokenizer == "gpt2" else 256  # GPT-2's padded to a multiple of 64, as the gpt2 preset
+    vocab = 50257 if args.tokenizer == "gpt2" else 256  # the model pads it to a multiple of 64 (50304)
     print(f"train on them: task.data={outdir} task.vocab_size={vocab} task.format={args.format}")
     return 0
 

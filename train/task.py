@@ -17,15 +17,27 @@ What the trainer asks of a task, and only that:
   number of loader workers and any world size see the same sample. Built on every rank: keep it cheap
   (memory-map big files, as the language model's token shards do).
 - `model()`: an `nn.Module`, built on the CPU with torch's global RNG already seeded (the same weights on
-  every rank); the trainer moves it to the device and wraps it.
+  every rank); the trainer moves it to the device and wraps it. Or built on the meta device (`with
+  torch.device("meta"):`, no memory: a model larger than one device, or than a host's memory times its
+  ranks): the trainer shards it first (FSDP2), gives each rank's shard its memory, and fills it with
+  `init_parameter`, or with pretrained weights (`init_from`).
 - `loss(model, batch)`: the mean loss of a micro-batch already on the device, a scalar tensor; run under
   autocast; the trainer scales, accumulates and steps.
 - optional `blocks(model)`: the model's repeated submodules, for FSDP and activation checkpointing.
+- optional `init_parameter(name, full, generator)`: a meta-built model's initial values, one tensor at a
+  time, drawn from `generator` alone: the same seed gives the same weights whatever the strategy and the
+  world size (every rank draws each whole tensor and keeps its shard).
+- optional `init_from()`: pretrained weights for the first step (a local Hugging Face folder, or another
+  run's checkpoint): `task.init_from` where the task has that key. A run's own checkpoints come first.
+- optional `hf_model(model)`: how the model is stored as a Hugging Face model (its config.json, each
+  tensor's name and layout in the safetensors files): `init_from` a HF folder and `python -m train.export
+  --format hf` read it.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import traceback
 from dataclasses import dataclass, is_dataclass
@@ -33,6 +45,52 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from train.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """Where one of the model's tensors is in a Hugging Face safetensors checkpoint."""
+
+    name: str  # its key in the files
+    transposed: bool = False  # stored transposed: GPT-2's Conv1D keeps (in, out) where nn.Linear has (out, in)
+    rows: int = 0  # only its first `rows` rows are stored (a vocabulary padded for speed); 0: every row
+
+
+@dataclass
+class HFModel:
+    """A task's model as a Hugging Face model: config.json (what transformers builds it from) and, for each of the
+    model's parameters and persistent buffers, where it is in the files. A tensor left out is not stored (a
+    tied weight: lm_head.weight, the embedding's). `base_prefix`: the prefix that files of the base model
+    leave out (GPT2Model's files name transformer.wte.weight wte.weight), tried where a name is missing."""
+
+    config: dict
+    tensors: dict[str, HFTensor]
+    base_prefix: str = ""
+    files: tuple[str, ...] = ()  # other files export writes beside (the tokenizer of the folder it came from)
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder: config.json, or safetensors files (refused later without config.json)."""
+    return path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.safetensors")))
+
+
+def hf_config(folder: Path, key: str = "task.init_from") -> dict:
+    """A Hugging Face folder's config.json, or a ConfigError naming what is missing."""
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: {folder} is not a folder (a Hugging Face model folder, copied to this machine: "
+                          f"nothing is downloaded)")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{key}: {folder} has no config.json: a Hugging Face model folder holds config.json and "
+                          f"*.safetensors, as save_pretrained writes them")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path} does not read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}: {path} is not a JSON object")
+    return config
+
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +147,26 @@ class Task:
     def flops_per_sample(self, model: nn.Module) -> float | None:
         """Forward + backward FLOPs of one training sample, for MFU on GPUs. None: counted by torch's
         FlopCounterMode on one batch of two samples (override it where that is wrong or slow)."""
+        return None
+
+    def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """For a model built on the meta device: fill `full`, a CPU tensor of the whole shape of the parameter
+        or buffer `name` (as model.named_parameters() and named_buffers() name it), in place, as the model's
+        own init would, drawing random numbers from `generator` only. The trainer calls it once per tensor in
+        the model's order, on every rank, and keeps each rank's shard. Buffers too: after the meta build they
+        hold nothing (a rotary embedding's frequencies)."""
+        raise ConfigError(f"task {type(self).__name__} builds its model on the meta device: define "
+                          f"init_parameter(name, full, generator) to give it its initial values (train/task.py)")
+
+    def init_from(self) -> str:
+        """Where the first step's weights come from: a local Hugging Face model folder (config.json and
+        *.safetensors), or another run's checkpoint (a run directory or a step folder); "": the model's own
+        init. Default: the task's `init_from` key, where it has one."""
+        return getattr(self.cfg, "init_from", "") or ""
+
+    def hf_model(self, model: nn.Module) -> HFModel | None:
+        """How `model` (built by model(), possibly on meta) is stored as a Hugging Face model; None: it is not
+        (init_from a HF folder and export --format hf then say so in one line)."""
         return None
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from train import optim
+from train.checkpoint import pretrained
 from train.checkpoint.checkpointer import Checkpointer
 from train.checkpoint.resume import check_fresh_start
 from train.checkpoint.storage import SaveError
@@ -241,10 +242,16 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
     if cfg.dist.sync_bn:
         raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
-    raw = raw.to(device)
+    meta = wrapping.on_meta(raw)  # built on the meta device: no memory until it is sharded (FSDP) or wrapped
+    if not meta:
+        raw = raw.to(device)
+    elif cfg.dist.strategy == "ddp":
+        wrapping.materialize(raw, task, device, cfg.seed)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
     wrapped = wrapping.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
+    if meta and cfg.dist.strategy == "fsdp":
+        wrapping.materialize(raw, task, device, cfg.seed)  # each rank's shards only
     step_model = torch.compile(wrapped) if cfg.train.compile else wrapped
     # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
     # augmentation), as different samples on different GPUs should; a resume restores each rank's states.
@@ -283,6 +290,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         parts.stop.install()
         parts.markers.forget_stopped()
         resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
+        if not resumed and (source := parts.task.init_from()):  # the run's own checkpoints come first
+            pretrained.load(parts.raw, parts.task, source, log)
         if resumed:
             log.truncate_metrics(parts.step)
         log.run_info(cfg, denv, device)

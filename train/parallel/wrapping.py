@@ -11,6 +11,10 @@
   are units of their own that all-gather in fp32 (their statistics are fp32).
 - Activation checkpointing (train.activation_checkpointing, either strategy): each block keeps only its
   input, and its forward is run again in the backward to get its activations.
+- A model built on the meta device (no memory) is given its memory here (materialize): under FSDP after
+  sharding, so that a rank only ever holds its shards; under DDP before wrapping. Its values come from the
+  task's init_parameter, one whole tensor at a time from a generator seeded by `seed`, of which each rank
+  keeps its shard: the same weights whatever the strategy and the world size.
 """
 
 from __future__ import annotations
@@ -58,6 +62,54 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
         fully_shard(block, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     return model
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the task built its model on the meta device (any of its tensors is on it)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def materialize(model: nn.Module, task, device: torch.device, seed: int) -> None:
+    """Give a meta-built model (plain, or sharded by fully_shard) its memory on `device` and its initial
+    values: for each parameter and buffer in the model's order (a tied weight once), every rank draws the
+    whole tensor on the CPU with task.init_parameter and keeps its shard. At most one whole tensor is held at
+    a time; the generator is the CPU's, so GPUs and CPUs, one rank or many, DDP or FSDP get the same bits."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter held by several modules (tied weights)
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, key))
+    model.to_empty(device=device)
+    for places in (p for p in shared.values() if len(p) > 1):  # to_empty gives each module a new one: tie again
+        first = places[0][0]._parameters[places[0][1]]
+        for module, key in places[1:]:
+            if module._parameters[key] is not first:
+                module._parameters[key] = first
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            full = torch.empty(t.shape, dtype=t.dtype)  # a DTensor's shape is the whole tensor's
+            task.init_parameter(name, full, generator)
+            if isinstance(t, DTensor):  # every rank holds the same whole tensor: each keeps its slice, no message
+                t.copy_(distribute_tensor(full.to(device), t.device_mesh, t.placements, src_data_rank=None))
+            else:
+                t.copy_(full)
+    if on_meta(model):  # a tensor that model.to_empty did not reach
+        left = next(n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta)
+        raise ConfigError(f"task {type(task).__name__}: {left} is still on the meta device after the trainer gave the "
+                          f"model its memory: make it a parameter or buffer of the model")
+
+
+def whole_model(task, device: torch.device, seed: int) -> nn.Module:
+    """The task's model whole on `device`, with its initial values (a meta-built one materialized): for one
+    process outside training (a benchmark, a test, an inference script)."""
+    model = task.model()
+    if on_meta(model):
+        materialize(model, task, device, seed)
+        return model
+    return model.to(device)
 
 
 def no_sync(wrapped: nn.Module):

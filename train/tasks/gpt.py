@@ -5,6 +5,12 @@
       data: data/fineweb10B        # llm.c's or nanoGPT's .bin shards: *train*.bin trains, *val*.bin evaluates
       model: gpt2                  # the 124M preset, to compare with llm.c and nanoGPT
       seq_len: 1024
+      init_from: models/gpt2       # optional: a local Hugging Face GPT-2 folder (its sizes replace the preset's)
+
+The model is built on the meta device and initialized shard by shard (init_parameter): the same seed gives
+the same weights under DDP and FSDP, on any number of ranks. A Hugging Face GPT-2 folder (transformers'
+GPT2LMHeadModel: config.json and safetensors) loads into it (hf_model: the same names, Conv1D weights
+transposed, the vocabulary's padding rows left out), and `python -m train.export --format hf` writes one.
 
 `python -m train.prepare` makes shards from text files. Throughput is counted in tokens, evaluation logs the
 loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -23,8 +30,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.task import Task
-from train.tasks import shards
+from train.task import HFModel, HFTensor, Task, hf_config, is_hf_folder
+from train.tasks import gpt_model, shards
 from train.tasks.gpt_model import GPT, PRESETS, GPTConfig, preset
 
 # The built-in corpus: a random order-2 Markov chain over 64 tokens. Each token b has 8 possible successors,
@@ -33,6 +40,8 @@ from train.tasks.gpt_model import GPT, PRESETS, GPTConfig, preset
 # from ~4.07 nats (the unigram entropy) to ~2.1; one that also attends to a, the token before, to ~1.2.
 BUILTIN_VOCAB, CANDIDATES, BRANCH, NOISE = 64, 8, 3, 0.05
 STREAMS, CHUNK_STEPS = 256, 4096  # the corpus is runs of the chain of 4096 tokens (builtin_tokens)
+# GPT-2's Conv1D layers: stored (in, out) in Hugging Face files, where nn.Linear has (out, in)
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 class LanguageModel(Task):
@@ -46,21 +55,54 @@ class LanguageModel(Task):
         n_layer: int = 0  # 0: the preset's
         n_head: int = 0  # 0: the preset's
         n_embd: int = 0  # 0: the preset's
-        vocab_size: int = 0  # 0: the preset's for shards (gpt2 50304, tiny/nano 256 bytes); builtin: 64
+        vocab_size: int = 0  # 0: the preset's for shards (gpt2 50257, tiny/nano 256 bytes); builtin: 64
         dropout: float = 0.0
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
+        init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
 
     unit = "tokens"
 
     def gpt_config(self) -> GPTConfig:
-        """The model's GPTConfig: the preset with the overrides that are set; its block size is seq_len."""
+        """The model's GPTConfig: the preset with the overrides that are set, or the sizes of the Hugging Face
+        folder of init_from; its block size is seq_len (a HF model's: its positions)."""
         c = self.cfg
+        if is_hf_folder(Path(c.init_from)):
+            h = self._hf_config()
+            return GPTConfig(n_layer=h["n_layer"], n_head=h["n_head"], n_embd=h["n_embd"],
+                             vocab_size=c.vocab_size or h["vocab_size"], block_size=h["n_positions"],
+                             dropout=c.dropout)
         base = PRESETS[c.model]
         vocab = c.vocab_size or (BUILTIN_VOCAB if c.data == "builtin" else base.vocab_size)
         return preset(c.model, n_layer=c.n_layer or base.n_layer, n_head=c.n_head or base.n_head,
                       n_embd=c.n_embd or base.n_embd, vocab_size=vocab, block_size=c.seq_len or base.block_size,
                       dropout=c.dropout)
+
+    def seq_len(self) -> int:
+        """Tokens per window: task.seq_len, else the model's block size."""
+        return self.cfg.seq_len or self.gpt_config().block_size
+
+    def _hf_config(self) -> dict:
+        """The init_from folder's config.json, checked to be a GPT-2 this GPT is (once)."""
+        if getattr(self, "_hf", None) is None:
+            h = hf_config(Path(self.cfg.init_from))
+            if h.get("model_type") != "gpt2":
+                raise ConfigError(f"task.init_from: {self.cfg.init_from} holds a {h.get('model_type', 'model')} "
+                                  f"({', '.join(h.get('architectures') or ['no architectures'])}), and the built-in "
+                                  f"GPT loads GPT-2 folders: train it with task.name=train.tasks.hf:CausalLM")
+            missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions") if k not in h]
+            if missing:
+                raise ConfigError(f"task.init_from: {self.cfg.init_from}/config.json has no {', '.join(missing)}")
+            if h.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh") or h.get(
+                    "n_inner") not in (None, 4 * h["n_embd"]) or h.get("scale_attn_by_inverse_layer_idx"):
+                raise ConfigError(f"task.init_from: {self.cfg.init_from} is a GPT-2 variant the built-in GPT is not "
+                                  f"(activation, n_inner or attention scaling): use task.name=train.tasks.hf:CausalLM")
+            for key in ("n_layer", "n_head", "n_embd"):
+                if getattr(self.cfg, key):
+                    raise ConfigError(f"task.{key}: the model's sizes come from task.init_from's config.json "
+                                      f"({key}={h[key]}); leave task.{key} unset")
+            self._hf = h
+        return self._hf
 
     def check(self) -> None:
         c = self.cfg
@@ -68,6 +110,9 @@ class LanguageModel(Task):
             if getattr(c, key) < 0:
                 raise ConfigError(f"task.{key} must be >= 0 (0: the preset's), got {getattr(c, key)}")
         g = self.gpt_config()
+        if c.seq_len > g.block_size:
+            raise ConfigError(f"task.seq_len ({c.seq_len}) exceeds the model's {g.block_size} positions (the "
+                              f"n_positions of task.init_from's config.json)")
         if g.n_embd % g.n_head:
             raise ConfigError(f"task.n_embd ({g.n_embd}) must be a multiple of task.n_head ({g.n_head})")
         if not 0 <= c.dropout < 1:
@@ -76,19 +121,19 @@ class LanguageModel(Task):
             if g.vocab_size < BUILTIN_VOCAB:
                 raise ConfigError(f"task.vocab_size: the builtin corpus has {BUILTIN_VOCAB} tokens, got {g.vocab_size}")
             for key in ("train_tokens", "eval_tokens"):
-                if getattr(c, key) <= g.block_size:
-                    raise ConfigError(f"task.{key} must be > seq_len ({g.block_size}), got {getattr(c, key)}")
+                if getattr(c, key) <= self.seq_len():
+                    raise ConfigError(f"task.{key} must be > seq_len ({self.seq_len()}), got {getattr(c, key)}")
         elif g.vocab_size > 2**16:
             raise ConfigError(f"task.vocab_size: shards hold uint16 token ids (< 65536), got {g.vocab_size}")
         if c.eval_data and c.data == "builtin":
             raise ConfigError("task.eval_data is for shards; the builtin corpus has its own evaluation split")
 
     def datasets(self) -> tuple[Dataset, Dataset]:
-        c, g = self.cfg, self.gpt_config()
+        c, g, T = self.cfg, self.gpt_config(), self.seq_len()
         if c.data == "builtin":
             train = shards.Shard.of_array(builtin_tokens(self.seed, c.train_tokens, "train"), "builtin:train")
             val = shards.Shard.of_array(builtin_tokens(self.seed, c.eval_tokens, "val"), "builtin:val")
-            return shards.TokenWindows([train], g.block_size), shards.TokenWindows([val], g.block_size)
+            return shards.TokenWindows([train], T), shards.TokenWindows([val], T)
         files = shards.find_shards(c.data)
         if c.eval_data:
             named = [f for f in files if shards.split_of(f) == "train"]
@@ -102,15 +147,41 @@ class LanguageModel(Task):
         opened = [[shards.open_shard(p, c.format) for p in paths] for _, paths in splits]
         shards.check_vocab(opened[0] + opened[1], g.vocab_size)  # read once, then cached (and by rank 0 only)
         for (key, paths), split_shards in zip(splits, opened, strict=True):
-            ds = shards.TokenWindows(split_shards, g.block_size)
+            ds = shards.TokenWindows(split_shards, T)
             if len(ds) == 0:
-                raise ConfigError(f"{key}: no window of seq_len + 1 = {g.block_size + 1} tokens fits in any "
+                raise ConfigError(f"{key}: no window of seq_len + 1 = {T + 1} tokens fits in any "
                                   f"shard of {', '.join(paths)}; lower task.seq_len")
             out.append(ds)
         return out[0], out[1]
 
     def model(self) -> nn.Module:
-        return GPT(self.gpt_config())
+        with torch.device("meta"):  # no memory: the trainer shards it first, then gives it its values
+            return GPT(self.gpt_config())
+
+    def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        gpt_model.init_parameter(self.gpt_config(), name, full, generator)
+
+    def hf_model(self, model: nn.Module) -> HFModel | None:
+        """GPT2LMHeadModel: the same names (the tied lm_head stored once, as the embedding), the Conv1D
+        weights transposed, the embedding's first vocab_size rows (its padding is not stored)."""
+        g = self.gpt_config()
+        if not g.bias:
+            return None  # GPT-2's files have biases
+        tensors = {}
+        for name, _ in model.named_parameters():  # the tied lm_head.weight is transformer.wte.weight's
+            rows = g.vocab_size if name == "transformer.wte.weight" and g.padded_vocab != g.vocab_size else 0
+            tensors[name] = HFTensor(name, transposed=name.endswith(CONV1D), rows=rows)
+        config = {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": g.vocab_size,
+            "n_positions": g.block_size, "n_embd": g.n_embd, "n_layer": g.n_layer, "n_head": g.n_head,
+            "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": g.dropout, "embd_pdrop": g.dropout, "attn_pdrop": g.dropout, "tie_word_embeddings": True,
+            "bos_token_id": g.vocab_size - 1, "eos_token_id": g.vocab_size - 1,  # GPT-2's <|endoftext|>: the last
+        }
+        if is_hf_folder(Path(self.cfg.init_from)):  # the folder's own words where it has them (token ids, ...)
+            config = self._hf_config() | {k: config[k] for k in ("vocab_size", "resid_pdrop", "embd_pdrop",
+                                                                  "attn_pdrop")}
+        return HFModel(config=config, tensors=tensors, base_prefix="transformer.")
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
@@ -132,15 +203,14 @@ class LanguageModel(Task):
         return list(model.transformer.h)
 
     def units_per_sample(self) -> int:
-        return self.gpt_config().block_size
+        return self.seq_len()
 
     def flops_per_sample(self, model: nn.Module) -> float:
         """nanoGPT's estimate_mfu (the PaLM paper's appendix B count), per window of T tokens:
         T * (6N + 12 * n_layer * n_embd * T), N the parameters without the position embeddings (the tied
         token embeddings count, as the output layer's matmul). Counted on `model`, whatever wraps it."""
-        g = self.gpt_config()
-        T = g.block_size
-        n = sum(p.numel() for p in model.parameters()) - T * g.n_embd
+        g, T = self.gpt_config(), self.seq_len()
+        n = sum(p.numel() for p in model.parameters()) - g.block_size * g.n_embd
         return float(T * (6 * n + 12 * g.n_layer * g.n_embd * T))
 
 

@@ -21,10 +21,16 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64, as llm.c and nanoGPT do (faster matmuls)
+    vocab_size: int = 50257  # GPT-2's tokens; the embedding has padded_vocab rows
     block_size: int = 1024  # the longest sequence: the number of learned positions
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
+
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary padded to a multiple of 64, as llm.c and nanoGPT do (faster matmuls): GPT-2's 50257
+        tokens get 50304 rows. The padding rows are never a target: training drives their logits down."""
+        return -(-self.vocab_size // 64) * 64
 
 
 PRESETS = {
@@ -83,19 +89,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> next-token logits (B, T, vocab_size). The loss is the task's (train/tasks/gpt.py)."""
+    """Token ids (B, T) -> next-token logits (B, T, padded_vocab). The loss is the task's (train/tasks/gpt.py)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         # Weight tying (GPT-2): one matrix embeds the tokens and scores them. Saves vocab x n_embd parameters
         # (38M of GPT-2's 124M) and trains better on small data.
         self.transformer.wte.weight = self.lm_head.weight
@@ -127,3 +133,15 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+def init_parameter(cfg: GPTConfig, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+    """GPT-2's initialisation of one tensor, by its name in GPT, drawing from `generator` only: what the
+    constructor does, for a GPT built on the meta device (Task.init_parameter)."""
+    if ".ln_" in name:
+        nn.init.ones_(full) if name.endswith(".weight") else nn.init.zeros_(full)
+    elif name.endswith(".bias"):
+        nn.init.zeros_(full)
+    else:  # Linear and Embedding weights; the residual projections scaled by depth
+        std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+        nn.init.normal_(full, mean=0.0, std=std, generator=generator)

@@ -1,0 +1,171 @@
+"""Models built on the meta device, and weights in and out: task.init_from (a local Hugging Face folder or
+another run's checkpoint) and `python -m train.export --format hf`, with the built-in GPT and tiny random
+GPT-2 folders that the tests save themselves (tests/hf_models.py; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PY, ROOT, clean_env, latest_state, metrics
+from tests.procs import finish, stop_at
+
+hf_models = pytest.importorskip("tests.hf_models", reason="pip install -r requirements-hf.txt")
+
+LOG = logging.getLogger("test")
+# The built-in GPT from a tiny GPT-2 folder (vocabulary 100, padded to 128 rows; 64 positions), on the built-in
+# corpus (64 tokens), in windows of 32: seconds per run.
+LM = ["--config", "configs/gpt.yaml", "task.seq_len=32", "task.train_tokens=20000", "task.eval_tokens=4096",
+      "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1", "train.eval_every=0",
+      "optim.warmup_steps=2", "data.num_workers=0", "log.wandb.mode=disabled", "log.report=false"]
+
+
+def gpt_from(folder: Path, *overrides: str):
+    """The built-in GPT task with init_from=folder, its model built on meta and given its values, then the
+    folder's weights, in this process (no process group), as the trainer does on one rank."""
+    from train import config
+    from train.checkpoint import pretrained
+    from train.parallel import wrapping
+
+    cfg = config.load("configs/gpt.yaml", [f"task.init_from={folder}", "task.seq_len=32", *overrides])
+    task = cfg.task_class(cfg.task, cfg.seed)
+    model = task.model()
+    assert wrapping.on_meta(model)
+    wrapping.materialize(model, task, torch.device("cpu"), cfg.seed)
+    pretrained.load(model, task, str(folder), LOG)
+    return model.eval()
+
+
+def test_a_hugging_face_gpt2_loads_into_the_built_in_gpt_with_transformers_logits(tmp_path):
+    """nanoGPT's init_from='gpt2', offline: the Conv1D weights transposed, the vocabulary's padding rows (100 of
+    the model's 128) left to their initial values. Logits equal transformers' to float32 rounding."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    model = gpt_from(folder)
+    assert model.transformer.wte.weight.shape == (128, 32)  # padded to a multiple of 64
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens)[..., :100]
+    theirs = hf_models.logits_of(folder, tokens)
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
+
+
+def _launch(run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
+    cmd = [PY, "-m", "train.launch", f"--nproc-per-node={nproc}", "--", *LM, f"run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(tmp_path):
+    """task.init_from a GPT-2 folder, 2 ranks FSDP: a run stopped by SIGTERM and relaunched ends bit for bit where
+    the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); the export
+    loads in transformers with the trained model's logits; bf16 export too."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    opts = [f"task.init_from={folder}", "dist.strategy=fsdp", "train.steps=8", "checkpoint.every=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    rc, out, err = finish(_launch(ref, *opts))
+    assert rc == 0, err[-3000:]
+    assert f"task.init_from={folder}: the first step starts from the weights of the Hugging Face model" in out + err
+    first = next(m["loss"] for m in metrics(ref) if "loss" in m)
+    assert first < 4.9, first  # GPT-2's random weights: about ln(128); not the 0.02-init of a fresh model
+
+    stop_at(_launch(run, *opts), run, 3)
+    rc, out, err = finish(_launch(run, *opts))
+    assert rc == 0, err[-3000:]
+    assert "the first step starts from the weights" not in out + err  # its own checkpoint came first
+    a, b = latest_state(ref), latest_state(run)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+
+    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    exported = ref / "export" / "step_00000008-hf"
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["vocab_size"] == 100
+    trained = gpt_from(folder)
+    trained.load_state_dict(a["model"])
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = trained(tokens)[..., :100]
+    theirs = hf_models.logits_of(exported, tokens)
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
+    assert not torch.allclose(theirs, hf_models.logits_of(folder, tokens), atol=1e-3)  # trained: moved
+
+    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf", "--dtype", "bf16", "--out",
+                           str(tmp_path / "bf16")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (hf_models.logits_of(tmp_path / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
+
+
+@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model"])
+def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case):
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    overrides = [f"task.init_from={folder}"]
+    if case == "no config.json":
+        (folder / "config.json").unlink()
+        words = "has no config.json"
+    elif case == "a llama folder":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama",
+                                                                 "architectures": ["LlamaForCausalLM"]}))
+        words = "holds a llama (LlamaForCausalLM), and the built-in GPT loads GPT-2 folders"
+    elif case == "another vocabulary":
+        overrides.append("task.vocab_size=64")  # 64 rows; the folder has 100
+        words = "transformer.wte.weight has the shape [100, 32], the model's transformer.wte.weight needs [64, 32]"
+    else:
+        overrides = [f"task.init_from={tmp_path}"]
+        words = "is neither a Hugging Face model folder (config.json and *.safetensors) nor a run directory"
+    rc, out, err = finish(_launch(tmp_path / "run", *overrides, nproc=1))
+    assert rc == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert words in lines[-1] and lines[-1].startswith("error: task.init_from"), err[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _build(tmp_path: Path, name: str, *args: str) -> dict:
+    """bench/build_memory.py: the trainer's build on real ranks; its figures (and --save's weights)."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([PY, "bench/build_memory.py", "--only", "meta", "--json", str(out), *args], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path):
+    """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP,
+    2 and 3 ranks under FSDP (3: shards of unequal sizes) start from the same bits, so comparing FSDP with
+    DDP still compares like with like."""
+    weights = {}
+    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-2", 2, "fsdp"), ("fsdp-3", 3, "fsdp")):
+        _build(tmp_path, name, f"--nproc={nproc}", f"--strategy={strategy}", "--layers=2", "--embd=64",
+               "--save", str(tmp_path / f"{name}.pt"))
+        weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    ref = weights["ddp-1"]
+    for name, w in weights.items():
+        assert w.keys() == ref.keys(), name
+        for k in ref:
+            assert torch.equal(w[k], ref[k]), f"{name}: {k} differs from one rank's"
+    fc = ref["transformer.h.0.mlp.c_fc.weight"]
+    assert not torch.equal(fc[: len(fc) // 2], fc[len(fc) // 2:])  # no rank repeats another's rows
+    assert abs(fc.std().item() - 0.02) < 0.002 and torch.equal(ref["transformer.h.0.ln_1.weight"],
+                                                              torch.ones(64))
+
+
+def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tmp_path):
+    """A 200M-parameter GPT (770 MiB of fp32 weights, M) under FSDP on 2 ranks: each rank's peak RSS while the
+    trainer builds it stays under M / 2 plus a constant, where a model built whole on each rank's CPU costs
+    every rank M. The constant is measured: what the same build of a tiny model costs (the modules FSDP
+    imports at its first use, 120 MiB here), plus 128 MiB for one whole tensor while it is initialized and
+    the allocator's slack (measured: 40)."""
+    small = _build(tmp_path, "small", "--nproc=2", "--strategy=fsdp", "--layers=2", "--embd=64")
+    big = _build(tmp_path, "big", "--nproc=2", "--strategy=fsdp", "--layers=16", "--embd=1024")
+    m = big["build_model_mib"]
+    assert 700 < m < 900, m
+    assert big["build_peak_mib_meta"] < m / 2 + small["build_peak_mib_meta"] + 128, (big, small)

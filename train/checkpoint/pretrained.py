@@ -1,0 +1,160 @@
+"""Weights in and out: `init_from` (the first step's weights from a local Hugging Face folder or from another
+run's checkpoint) and the Hugging Face folder that `python -m train.export --format hf` writes.
+
+Both go through torch.distributed.checkpoint (DCP): its Hugging Face storage reader and writer for
+safetensors folders, this project's own reader for its checkpoints. A model spread over the ranks (FSDP2's
+shards) is read straight into each rank's shards: no rank holds the whole model. The task says how its
+tensors are named and laid out in Hugging Face files (Task.hf_model: a key mapping, GPT-2's transposed
+Conv1D weights, a vocabulary padded for speed); nothing else is written by hand. Nothing is downloaded:
+a path is a local folder (compute nodes have no network; copy the model there first).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from train.checkpoint.dcp_io import Reader, error_text
+from train.checkpoint.resume import shapes, shapes_of, state_mismatch
+from train.checkpoint.storage import NAME, complete_checkpoints, verify
+from train.errors import ConfigError
+from train.task import HFModel, hf_config, is_hf_folder
+
+KEY = "task.init_from"
+
+
+def load(model: nn.Module, task, source: str, log) -> None:
+    """The weights of `source` (a Hugging Face folder, or a run directory or checkpoint folder of this
+    project) into `model`, in place, on every rank; ConfigError in one line when they do not fit."""
+    path = Path(source)
+    if is_hf_folder(path):
+        hf = task.hf_model(model)
+        if hf is None:
+            raise ConfigError(f"{KEY}: {path} is a Hugging Face folder, and task {type(task).__name__} does not say "
+                              f"how its model is stored as one (define hf_model(model), train/task.py)")
+        hf_config(path)
+        _load_hf(model, path, hf)
+        what = "Hugging Face model"
+    else:
+        path = _checkpoint(path)
+        _load_checkpoint(model, path)
+        what = "checkpoint"
+    log.info(f"{KEY}={source}: the first step starts from the weights of the {what} {path}")
+
+
+def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{KEY}: {folder} holds no *.safetensors file (a pytorch_model.bin folder: load it with "
+                          f"transformers and save_pretrained it again, which writes safetensors)")
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    try:
+        stored = {k: tuple(md.size) for k, md in reader.read_metadata().state_dict_metadata.items()}
+    except Exception as e:
+        raise ConfigError(f"{KEY}: the safetensors files of {folder} do not read ({error_text(e)})") from None
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    targets: dict[str, torch.Tensor] = {}
+    padded: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (the model's tensor, the file's rows, how many)
+    for name, spec in hf.tensors.items():
+        ours = tensors[name]
+        key = spec.name
+        if key not in stored and hf.base_prefix and key.startswith(hf.base_prefix):
+            key = key[len(hf.base_prefix):]  # files of the base model (GPT2Model's) leave the prefix out
+        if key not in stored:
+            raise ConfigError(f"{KEY}: {folder} has no tensor {spec.name} (it has {len(stored)}, e.g. "
+                              f"{', '.join(sorted(stored)[:3])}): is it a model of this architecture?")
+        shape = tuple(ours.shape)
+        if spec.transposed:
+            shape = shape[::-1]
+        if spec.rows:
+            shape = (spec.rows, *shape[1:])
+        if stored[key] != shape:
+            raise ConfigError(f"{KEY}: {folder}'s {key} has the shape {list(stored[key])}, the model's {name} "
+                              f"needs {list(shape)}: the task's model settings differ from the folder's config.json")
+        if spec.rows and (spec.rows != ours.shape[0] or isinstance(ours, DTensor)):
+            rows = torch.empty(shape, dtype=ours.dtype)  # a row slice of a sharded tensor is no view of it: whole
+            padded.append((ours, rows, spec.rows))
+            targets[key] = rows
+        else:
+            targets[key] = ours.t() if spec.transposed else ours  # a view: DCP writes into the model's tensor
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=reader, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is no Exception
+        raise ConfigError(f"{KEY}: {folder} does not load ({error_text(e)})") from None
+    with torch.no_grad():
+        for ours, rows, n in padded:  # the stored rows; the padding rows keep their initial values
+            whole = (ours.full_tensor() if isinstance(ours, DTensor) else ours).detach().to("cpu", copy=True)
+            whole[:n] = rows
+            if isinstance(ours, DTensor):
+                ours.copy_(distribute_tensor(whole.to(ours.device), ours.device_mesh, ours.placements,
+                                             src_data_rank=None))
+            else:
+                ours.copy_(whole)
+
+
+def _checkpoint(path: Path) -> Path:
+    """The checkpoint folder that `path` names: itself, or the newest complete one of a run directory."""
+    if NAME.match(path.name) and path.is_dir():
+        return path
+    for folder in (path, path / "checkpoints"):
+        if folder.is_dir() and (found := complete_checkpoints(folder)):
+            return found[0]
+    raise ConfigError(f"{KEY}: {path} is neither a Hugging Face model folder (config.json and *.safetensors) nor a "
+                      f"run directory or checkpoint folder of this project")
+
+
+def _load_checkpoint(model: nn.Module, path: Path) -> None:
+    """Another run's model weights (not its optimizer, step or data position: this is a new run)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        verify(path, rank, world)
+        metadata = Reader(path).read_metadata()
+    except Exception as e:
+        raise ConfigError(f"{KEY}: checkpoint {path} does not load ({error_text(e)})") from None
+    state = get_model_state_dict(model)
+    mismatch = state_mismatch(shapes_of(state), shapes(metadata, "model"))
+    if mismatch is not None:
+        raise ConfigError(f"{KEY}: checkpoint {path} holds another model than this run's: {mismatch}")
+    try:
+        dcp.load({"model": state}, storage_reader=Reader(path), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        raise ConfigError(f"{KEY}: checkpoint {path} does not load ({error_text(e)})") from None
+    set_model_state_dict(model, state)
+
+
+def save_hf(weights: dict[str, torch.Tensor], hf: HFModel, out: Path, dtype: torch.dtype | None) -> int:
+    """A Hugging Face folder at `out` from a model's whole weights (one process): safetensors written by DCP's
+    Hugging Face writer, config.json, and the files the model's folder had beside (its tokenizer). Returns
+    the bytes of tensors written."""
+    tensors = {}
+    for name, spec in hf.tensors.items():
+        t = weights[name]
+        if spec.rows:
+            t = t[:spec.rows]
+        if spec.transposed:
+            t = t.t()
+        tensors[spec.name] = (t if dtype is None else t.to(dtype)).contiguous()  # safetensors takes no views
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(out)), no_dist=True)
+    config = dict(hf.config)
+    config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in hf.files:
+        shutil.copy2(extra, out / Path(extra).name)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
