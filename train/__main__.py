@@ -17,7 +17,7 @@ from pathlib import Path
 from train import config
 from train.config import parse_args
 from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
-from train.stops import markers
+from train.stops import markers, signals
 
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
@@ -31,10 +31,16 @@ def _mark_usage_error(run_dir: Path, error: str) -> None:
         markers.write(run_dir, "USAGE_ERROR", {"time": time.time(), "error": error, "launch_id": launch})
     except OSError:
         return  # the launcher then sees an ordinary failure
+    if (distributed := sys.modules.get("train.parallel.distributed")) is not None:
+        # The error may have come at a batch: that loader's workers end now, not killed with this process by the
+        # launcher (their queues' semaphores would be reported as leaked).
+        distributed.release_loader_workers()
     # Wait for the launcher to stop torchrun (it polls twice a second): exiting now would let torchrun
     # restart this worker, which would fail the same way (--max-restarts times, each with its line).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    if signals.received():
+        return  # it came already (for another rank's marker, say), taken by the trainer's handler: no wait
     time.sleep(USAGE_WAIT_S)
 
 
@@ -59,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return trainer.run(cfg, denv)
     except ConfigError as e:
+        error = e.line()  # one raised in a loader worker comes back with the worker's traceback: not shown
         prefix = f"[rank {denv.rank}] " if denv is not None and denv.world_size > 1 else ""
-        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        if cfg is not None and os.environ.get(LAUNCH_ID_VAR):
-            _mark_usage_error(cfg.run_dir, str(e))
-        return EXIT_USAGE
+        print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+    # Out of the except block the traceback is let go, and with it the frames that held a loader's iterator: its
+    # workers end now, not killed with this process by the launcher (their queues' semaphores left behind).
+    if cfg is not None and os.environ.get(LAUNCH_ID_VAR):
+        _mark_usage_error(cfg.run_dir, error)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -10,6 +10,16 @@ its components (data, checkpoints, distributed setup, logs) -> config -> this mo
 class ConfigError(ValueError):
     """A usage error in the configuration: reported in one line, exit code 2."""
 
+    def line(self) -> str:
+        """What to print. One raised in a DataLoader worker (by a task's collate or data set) reaches the training
+        process as torch re-raises it there: a ConfigError whose message is "Caught ConfigError in DataLoader worker
+        process N.", the worker's traceback, and last "train.errors.ConfigError: <the message>": the message alone."""
+        text, kind = str(self), type(self)
+        if not text.startswith(f"Caught {kind.__name__} in DataLoader worker"):
+            return text
+        _, found, message = text.rpartition(f"\n{kind.__module__}.{kind.__qualname__}: ")  # the traceback's last line
+        return message.strip() if found else text.splitlines()[0]
+
 
 class UsageError(Exception):
     """A usage error of a command-line tool (python -m train.prepare, .export, .checkpoint): one line, exit 2."""

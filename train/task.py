@@ -11,10 +11,10 @@ mid-epoch (the data position and every RNG), stops and requeues, elastic world s
 epoch), W&B, metrics.jsonl, the report, the doctor, and every launcher.
 
 What the trainer asks of a task, and only that:
-- `datasets()`: (train, eval), map-style: `len(ds)` and `ds[i]`, an item that the default collate batches
-  (tensors, numbers, strings, or tuples/dicts of them). Random augmentation may draw from torch, random and numpy
-  freely: the trainer seeds those from (seed, epoch, index) around each `ds[i]`, so a resumed run, any
-  number of loader workers and any world size see the same sample. Built on every rank: keep it cheap
+- `datasets()`: (train, eval), map-style: `len(ds)` and `ds[i]`, an item that `collate` batches (by default:
+  tensors of one size, numbers, strings, or tuples/dicts of them). Random augmentation may draw from torch,
+  random and numpy freely: the trainer seeds those from (seed, epoch, index) around each `ds[i]`, so a resumed
+  run, any number of loader workers and any world size see the same sample. Built on every rank: keep it cheap
   (memory-map big files, as the language model's token shards do).
 - `model()`: an `nn.Module`, built on the CPU with torch's global RNG already seeded (the same weights on
   every rank); the trainer moves it to the device and wraps it. Or built on the meta device (`with
@@ -23,6 +23,10 @@ What the trainer asks of a task, and only that:
   `init_parameter`, or with pretrained weights (`init_from`).
 - `loss(model, batch)`: the mean loss of a micro-batch already on the device, a scalar tensor; run under
   autocast; the trainer scales, accumulates and steps.
+- optional `collate(items)`: how a micro-batch's items (a list of what `ds[i]` returns) make one batch, for
+  training and evaluation alike: padding, packing, masks (items of different sizes: token sequences, audio,
+  boxes). Default: torch's default_collate, which stacks them; items that differ in size are then one line
+  naming where (a key, a tuple position). It runs in the loader workers: the task object is pickled to them.
 - optional `blocks(model)`: the model's repeated submodules, for FSDP and activation checkpointing.
 - optional `init_parameter(name, full, generator)`: a meta-built model's initial values, one tensor at a
   time, drawn from `generator` alone: the same seed gives the same weights whatever the strategy and the
@@ -36,10 +40,12 @@ What the trainer asks of a task, and only that:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,6 +130,14 @@ class Task:
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def collate(self, items: list) -> Any:
+        """One batch of a micro-batch's items (`ds[i]` of each), for training and evaluation alike: pad, pack,
+        build masks. The trainer moves what it returns (tensors, or tuples, lists and dicts of them) to the
+        device and hands it to loss() and eval_step(). It runs in the loader workers (data.num_workers > 0),
+        which unpickle the task: keep what it holds picklable. Default: torch's default_collate, which stacks
+        tensors of one size."""
+        return default_collate(items)
+
     def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor | float]:
         """Sums over one evaluation batch, and "count": what they are averaged over. The trainer sums them
         over all batches and ranks and logs eval_<key> = sum / count. Default: the loss per sample."""
@@ -168,6 +182,61 @@ class Task:
         """How `model` (built by model(), possibly on meta) is stored as a Hugging Face model; None: it is not
         (init_from a HF folder and export --format hf then say so in one line)."""
         return None
+
+
+def default_collate(items: list, task: str | None = None) -> Any:
+    """torch's default_collate; where it fails because the items differ in size, a ConfigError that says where
+    (the key or tuple position, the two sizes) and what to define. `task`: the task's name, for the message."""
+    from torch.utils.data import default_collate as stack
+
+    try:
+        return stack(items)
+    except Exception:
+        try:
+            found = _where_sizes_differ(items, ())
+        except Exception:
+            found = None
+        if found is None:
+            raise
+        path, sizes = found
+        where = f" at {', '.join(path)}" if path else ""
+        raise ConfigError(f"{f'task {task}: ' if task else ''}the items of a batch differ in size{where} ({sizes}), "
+                          f"and the default collate stacks them: define collate(self, items) in the task to pad, "
+                          f"pack or mask them (README.md: Train your own model)") from None
+
+
+def _where_sizes_differ(items: list, path: tuple[str, ...]) -> tuple[tuple[str, ...], str] | None:
+    """The first place, depth first, where a batch's items differ in size: (the keys and positions that lead
+    there, the sizes of item 0 and of the first item that differs), or None."""
+    first = items[0]
+    if hasattr(first, "shape") and hasattr(first, "dtype"):  # tensors and numpy arrays
+        shapes = [tuple(getattr(item, "shape", ())) for item in items]
+        other = next((i for i, shape in enumerate(shapes) if shape != shapes[0]), None)
+        return None if other is None else (path, f"shape {shapes[0]} in item 0, {shapes[other]} in item {other}")
+    if isinstance(first, Mapping):
+        for key in first:
+            if all(isinstance(item, Mapping) and key in item for item in items):
+                if found := _where_sizes_differ([item[key] for item in items], (*path, f"key {key!r}")):
+                    return found
+        return None
+    if isinstance(first, Sequence) and not isinstance(first, (str, bytes)):
+        kind = "tuple" if isinstance(first, tuple) else "list"
+        lengths = [len(item) for item in items]
+        other = next((i for i, n in enumerate(lengths) if n != lengths[0]), None)
+        if other is not None:
+            return path, f"{kind} length {lengths[0]} in item 0, {lengths[other]} in item {other}"
+        for j in range(len(first)):
+            if found := _where_sizes_differ([item[j] for item in items], (*path, f"{kind} position {j}")):
+                return found
+    return None
+
+
+def collate_fn(task: Task, name: str) -> Callable[[list], Any]:
+    """What the loaders batch the task's items with: its own collate(), or for a task without one the default
+    (naming the task), a function of this module: the loader workers are then sent no task object."""
+    if type(task).collate is Task.collate:
+        return functools.partial(default_collate, task=name)
+    return task.collate
 
 
 def first_tensor(batch: Any) -> torch.Tensor:

@@ -27,7 +27,7 @@ from train.parallel import data, distributed, hang, wrapping
 from train.parallel.data import to_device
 from train.stops.markers import Markers
 from train.stops.signals import StopRequest
-from train.task import Task
+from train.task import Task, collate_fn
 
 
 @dataclass
@@ -231,7 +231,8 @@ def configure_torch(cfg: Config) -> None:
 def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts:
     task = cfg.task_class(cfg.task, cfg.seed)
     train_set, eval_set = task.datasets()
-    stream, eval_loader = data.loaders(cfg, train_set, eval_set, denv.rank, denv.world_size, device.type == "cuda")
+    stream, eval_loader = data.loaders(cfg, train_set, eval_set, denv.rank, denv.world_size, device.type == "cuda",
+                                       collate_fn(task, cfg.task_name))
     if cfg.dist.sync_bn and device.type != "cuda":
         raise ConfigError("dist.sync_bn needs CUDA GPUs (torch's SyncBatchNorm); on CPU use a GroupNorm "
                           "(task.norm=group for the built-in ResNets)")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from train.config import Config, ConfigError
 from train.stops.signals import ignore_stop_signals
+from train.task import default_collate
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -160,8 +163,9 @@ def worker_context():
     with it: imported once, a worker starts in a few ms. It ends when this process does (its pipe closes), and
     the workers then end too (torch's workers watch their parent).
 
-    The cost: a worker's arguments are pickled, the dataset among them; its tensors go through shared
-    memory (moved there once, then passed as file descriptors), an ImageFolder's file list is copied."""
+    The cost: a worker's arguments are pickled, the dataset among them (and a task's own collate, the task with
+    it); its tensors go through shared memory (moved there once, then passed as file descriptors), an
+    ImageFolder's file list is copied."""
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["train.parallel.loader_server", "train.parallel.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
@@ -170,9 +174,10 @@ def worker_context():
     return ctx
 
 
-def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world_size: int,
-            cuda: bool) -> tuple[TrainStream, DataLoader]:
-    """The training stream and the evaluation loader of a task's (train, eval) data sets."""
+def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world_size: int, cuda: bool,
+            collate: Callable[[list], Any] = default_collate) -> tuple[TrainStream, DataLoader]:
+    """The training stream and the evaluation loader of a task's (train, eval) data sets, both batched by
+    `collate` (train.task.collate_fn: the task's collate, pickled to the loader workers)."""
     for name, ds in (("training", train_set), ("evaluation", eval_set)):
         try:
             n = len(ds)
@@ -191,7 +196,7 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
     # from torch's global one unless given its own, which would shift what the training draws from it
     # (dropout, a user's augmentation) by a different amount in a resumed run than in an uninterrupted
     # one. The samples never depend on that seed (each is seeded by its (index, epoch)).
-    opts = {"num_workers": d.num_workers, "pin_memory": d.pin_memory and cuda,
+    opts = {"num_workers": d.num_workers, "pin_memory": d.pin_memory and cuda, "collate_fn": collate,
             "generator": torch.Generator().manual_seed(cfg.seed + rank)}
     if d.num_workers > 0:
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,

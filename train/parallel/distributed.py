@@ -249,6 +249,17 @@ def exit_process(code: int) -> None:
     succeeded (core dump: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject ->
     take_gil -> PyThread_exit_thread, while the main thread is in Py_FinalizeEx). Everything is
     written and closed by now; what is left (loader workers) is freed first, the streams flushed."""
+    release_loader_workers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def release_loader_workers() -> None:
+    """End the loader workers of the DataLoader iterators nothing holds any more, and free their queues."""
     gc.collect()  # DataLoader iterators shut their worker processes down in their finalizers
     # Their queues' feeder threads end just after (closed, they were not joined): wait for them, a few ms,
     # so that the semaphores they hold are freed. Loader workers start from a fork server (train/parallel/data.py),
@@ -258,12 +269,6 @@ def exit_process(code: int) -> None:
     for t in threading.enumerate():
         if t.name == "QueueFeederThread":
             t.join(max(0.0, deadline - time.monotonic()))
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def sync_buffers(module: torch.nn.Module) -> None:

@@ -27,6 +27,14 @@ def ignore_stop_signals(blocked: bool = False) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, every_stop_signal())
 
 
+_received: list[str] = []  # the first stop signal StopRequest's handler took in this process
+
+
+def received() -> str | None:
+    """The first stop signal a StopRequest's handler took in this process, if any."""
+    return _received[0] if _received else None
+
+
 class StopRequest:
     """A worker's stop: the signal handler only sets a flag; the ranks agree at the next step or evaluation
     batch (an all-reduce, so nobody waits alone), so a signal that reached one rank (one node's kubelet, one
@@ -41,6 +49,7 @@ class StopRequest:
     def install(self) -> None:
         def request_stop(signum, frame):
             self.signal = self.signal or signal.Signals(signum).name
+            _received[:] = _received or [signal.Signals(signum).name]
 
         for name in {*ALWAYS, self.extra_signal}:
             sig = getattr(signal, name)

@@ -1,0 +1,97 @@
+"""A task's own batching (Task.collate): token sequences of different lengths (tests/varlen_task.py), padded and
+masked by the task's collate for training and evaluation, stopped by SIGTERM to the launcher and resumed bit
+for bit under DDP and FSDP; without a collate, one line naming the key that differs in size, exit 2, whether
+the default collate failed in a loader worker or in the training process."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PY, ROOT, assert_same_training, clean_env, latest_state, metrics, summary
+from tests.procs import finish, stop_at
+from train.config import ConfigError
+from train.task import Task, default_collate
+
+# 256 sequences of 2..12 tokens cropped at random at every read, 16 steps an epoch (2 ranks x 2 micro-steps of 4),
+# dropout; 41 evaluation sequences: 21 on rank 0, 20 on rank 1 (a last batch of 1 on one rank only).
+VARLEN = ["task.name=tests/varlen_task.py:PaddedSequences", "task.eval_samples=41", "train.steps=120",
+          "train.global_batch_size=16", "train.micro_batch_size=4", "train.log_every=1", "train.eval_every=25",
+          "checkpoint.every=0", "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false"]
+
+
+def launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [PY, "-m", "train.launch", "--nproc-per-node=2", "--", *VARLEN, f"run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def evaluations(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "time"} for m in metrics(run_dir) if "eval_loss" in m]
+
+
+@pytest.mark.parametrize("strategy, workers", [("ddp", 1), ("fsdp", 0)])
+def test_a_task_of_its_own_collate_stops_and_resumes_bitwise(tmp_path, strategy, workers):
+    """DDP with a loader worker per rank (the task's collate runs there, the task pickled to it), FSDP in the
+    training process (its rank with fewer evaluation batches repeats its last one for the all-gathers)."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    extra = [f"dist.strategy={strategy}", f"data.num_workers={workers}"]
+    rc, out, err = finish(launch(ref, *extra))
+    assert rc == 0, err[-3000:]
+    s = summary(ref)
+    assert s["steps"] == 120 and s["ranks_in_sync"] and s["eval_accuracy"] > 0.8, s  # it learns from padded batches
+    assert [e["step"] for e in evaluations(ref)] == [25, 50, 75, 100, 120]
+
+    stop_at(launch(run, *extra), run, 30)
+    stopped = latest_state(run)["step"]
+    assert 30 <= stopped < 120, stopped
+    rc, out, err = finish(launch(run, *extra))
+    assert rc == 0, err[-3000:]
+
+    assert_same_training(ref, run)  # weights, optimizer state and the loss of every step, bit for bit
+    assert evaluations(run) == evaluations(ref)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_items_the_default_collate_cannot_stack_are_one_line_naming_the_key(tmp_path, workers):
+    """The task without its collate: the default collate fails in the training process (num_workers=0) or in a
+    loader worker, whose exception torch re-raises in the training process wrapped in the worker's traceback."""
+    proc = launch(tmp_path / "run", "task.name=tests/varlen_task.py:Sequences", f"data.num_workers={workers}")
+    rc, out, err = finish(proc, timeout=180)
+    says = "task tests/varlen_task.py:Sequences: the items of a batch differ in size at key 'tokens' (shape ("
+    advice = "define collate(self, items) in the task to pad, pack or mask them"
+    last = err.strip().splitlines()[-1]
+    assert rc == 2, err[-3000:]
+    assert last.startswith(f"error: {says}") and advice in last and last.endswith("(found by the workers; not retried)")
+    # Each rank says it at most once (the launcher may stop one first), in one line; nothing else is said of it.
+    said = [line for line in err.splitlines() if line.startswith("[rank ")]
+    assert 1 <= len(said) <= 2 and len({line[:8] for line in said}) == len(said), err[-3000:]
+    assert all(line.split("] error: ", 1)[1].startswith(says) and advice in line for line in said), said
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+
+
+def test_the_default_collate_names_where_items_differ():
+    """Keys, tuple and list positions, nested; items that stack are batched as torch's default_collate does."""
+    def line(items) -> str:
+        with pytest.raises(ConfigError) as e:
+            default_collate(items, task="t.py:T")
+        return str(e.value)
+
+    assert "at tuple position 1 (shape (3,) in item 0, (4,) in item 2)" in line(
+        [(torch.zeros(2), torch.zeros(3))] * 2 + [(torch.zeros(2), torch.zeros(4))])
+    assert "at key 'audio', tuple position 0 (shape (5, 2) in item 0, (6, 2) in item 1)" in line(
+        [{"id": 0, "audio": (torch.zeros(5, 2), 1)}, {"id": 1, "audio": (torch.zeros(6, 2), 1)}])
+    boxes = [{"boxes": [[0, 0]]}, {"boxes": [[0, 0], [1, 1]]}]
+    assert "at key 'boxes' (list length 1 in item 0, 2 in item 1)" in line(boxes)
+    assert line([torch.zeros(2), torch.zeros(3)]).startswith(
+        "task t.py:T: the items of a batch differ in size (shape (2,) in item 0, (3,) in item 1)")
+    items = [{"x": torch.randn(3), "y": i, "name": f"n{i}"} for i in range(4)]
+    batch, expected = default_collate(items), torch.utils.data.default_collate(items)
+    assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["y"], expected["y"])
+    assert batch["name"] == expected["name"]
+    with pytest.raises(TypeError):  # not a size: torch's own error
+        default_collate([object(), object()])
+    assert Task.collate(Task(None, 0), items)["x"].shape == (4, 3)
