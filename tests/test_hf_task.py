@@ -83,6 +83,34 @@ def test_a_llama_folder_built_on_meta_gives_transformers_logits(tmp_path, tie):
     assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
 
 
+def test_activation_checkpointing_of_the_decoder_layers_gives_the_same_loss_and_gradients(tmp_path):
+    """The blocks (the decoder layers) recomputed in the backward (train.activation_checkpointing: wrapping's
+    torch.utils.checkpoint of each, whose forward transformers calls with keyword arguments): the same loss and
+    gradients as without, to float rounding."""
+    from train.parallel import wrapping
+
+    folder = hf_models.tiny_llama(tmp_path / "llama")
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(3))
+    batch = tokens[:, :-1], tokens[:, 1:]
+    grads, calls = [], []
+    for recompute in (False, True):
+        task, model = task_model(folder)
+        layer, forward, called = model.model.layers[0], model.model.layers[0].forward, []
+        layer.forward = lambda *args, _f=forward, _c=called, **kwargs: _c.append(1) or _f(*args, **kwargs)
+        if recompute:
+            for block in task.blocks(model):
+                wrapping._checkpoint(block)
+        loss = task.loss(model.train(), batch)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        calls.append(len(called))
+    assert calls == [1, 2]  # run again in the backward
+    (a, ga), (b, gb) = grads
+    assert torch.allclose(a, b, rtol=1e-6, atol=0) and ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-8), n
+
+
 def _launch(run_dir: Path, folder: Path, data: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
     cmd = [PY, "-m", "train.launch", f"--nproc-per-node={nproc}", "--", *HF, f"task.path={folder}", f"task.data={data}",
            f"run.dir={run_dir}", *overrides]

@@ -178,7 +178,7 @@ class CausalLM(Task):
         was = store[attr]
         blank = _blank(full)
         store[attr] = nn.Parameter(full, requires_grad=False) if store is owner._parameters else full
-        pretrained = self._pretrained_class()
+        pretrained = _transformers().PreTrainedModel
         inits, current = [], None
         for module in chain:  # a sub-model (a PreTrainedModel inside) has its own init, as smart_apply dispatches
             if isinstance(module, pretrained):
@@ -204,9 +204,6 @@ class CausalLM(Task):
                 else:
                     full.fill_(1.0 if attr == "weight" else 0.0)
 
-    def _pretrained_class(self) -> type:
-        return _transformers().PreTrainedModel
-
     def hf_model(self, model: nn.Module) -> HFModel:
         """The folder's own architecture: each parameter and persistent buffer under its own name (the names of
         transformers' state dict are those of its files), a tied weight once (as save_pretrained leaves out
@@ -228,12 +225,12 @@ class CausalLM(Task):
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
         logits = self.logits(model, x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # autocast computes it in fp32
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))  # autocast computes it in fp32
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
         logits = self.logits(model, x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
         return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
