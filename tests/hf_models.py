@@ -26,3 +26,51 @@ def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = False, seed: int = 0,
+               tokenizer: bool = True) -> Path:
+    """A LlamaForCausalLM of 2 layers, 4 heads (2 key/value heads: grouped-query attention), width 32, MLP 64: its
+    weights drawn around transformers' init (the norms away from 1, so that a norm left at its init shows), and,
+    with `tokenizer`, a tokenizer.json of at most `vocab` tokens (tiny_tokenizer) beside it, as a real folder has."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=vocab, max_position_embeddings=positions,
+                                      tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    if tokenizer:
+        tiny_tokenizer(folder, vocab)
+    return folder
+
+
+TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. all that glitters is not gold. "
+        "the early bird catches the worm; the second mouse gets the cheese. ")
+
+
+def tiny_tokenizer(folder: Path, vocab: int = 128) -> Path:
+    """A byte-level BPE tokenizer (tokenizers', as GPT-2's and Llama 3's are) trained on a few sentences up to `vocab`
+    tokens, <|begin_of_text|> (0) and <|end_of_text|> (1) first: tokenizer.json in `folder`, and the
+    tokenizer_config.json that transformers' AutoTokenizer reads."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    # a byte-level alphabet is 256 tokens: a vocabulary under that keeps the bytes the text has
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if vocab > 256 + len(specials) else []
+    tok.train_from_iterator([TEXT] * 10, trainer=trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                                     initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[1]}))
+    return folder

@@ -278,6 +278,8 @@ def test_prepare_usage_errors_exit_2_in_one_line(tmp_path):
         (str(text), str(tmp_path / "o"), "--shard-tokens", "x"): "invalid int",
         (str(text), str(tmp_path / "o"), "--format", "npy"): "invalid choice",
         (str(tmp_path / "o"), str(tmp_path / "o2"), "--val-fraction", "0.5"): "does not exist",
+        (str(text), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no-model")): "--tokenizer: ",
+        (str(text), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "empty")): "holds no tokenizer.json",
     }
     (tmp_path / "tiny.txt").write_text("a")
     cases[(str(tmp_path / "tiny.txt"), str(tmp_path / "o"))] = "too few"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -35,33 +36,36 @@ KEY = "task.init_from"
 
 def load(model: nn.Module, task, source: str, log) -> None:
     """The weights of `source` (a Hugging Face folder, or a run directory or checkpoint folder of this
-    project) into `model`, in place, on every rank; ConfigError in one line when they do not fit."""
+    project) into `model`, in place, on every rank; ConfigError in one line when they do not fit, naming the task's
+    key that holds `source` (task.init_from; the Hugging Face task's task.path)."""
+    option = next((f"task.{f.name}" for f in (fields(task.cfg) if is_dataclass(task.cfg) else ())
+                   if getattr(task.cfg, f.name) == source), KEY)
     path = Path(source)
     if is_hf_folder(path):
         hf = task.hf_model(model)
         if hf is None:
-            raise ConfigError(f"{KEY}: {path} is a Hugging Face folder, and task {type(task).__name__} does not say "
+            raise ConfigError(f"{option}: {path} is a Hugging Face folder, and task {type(task).__name__} does not say "
                               f"how its model is stored as one (define hf_model(model), train/task.py)")
-        hf_config(path)
-        _load_hf(model, path, hf)
+        hf_config(path, option)
+        _load_hf(model, path, hf, option)
         what = "Hugging Face model"
     else:
-        path = _checkpoint(path)
-        _load_checkpoint(model, path)
+        path = _checkpoint(path, option)
+        _load_checkpoint(model, path, option)
         what = "checkpoint"
-    log.info(f"{KEY}={source}: the first step starts from the weights of the {what} {path}")
+    log.info(f"{option}={source}: the first step starts from the weights of the {what} {path}")
 
 
-def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
+def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"{KEY}: {folder} holds no *.safetensors file (a pytorch_model.bin folder: load it with "
+        raise ConfigError(f"{option}: {folder} holds no *.safetensors file (a pytorch_model.bin folder: load it with "
                           f"transformers and save_pretrained it again, which writes safetensors)")
     reader = dcp.HuggingFaceStorageReader(str(folder))
     try:
         stored = {k: tuple(md.size) for k, md in reader.read_metadata().state_dict_metadata.items()}
     except Exception as e:
-        raise ConfigError(f"{KEY}: the safetensors files of {folder} do not read ({error_text(e)})") from None
+        raise ConfigError(f"{option}: the safetensors files of {folder} do not read ({error_text(e)})") from None
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     targets: dict[str, torch.Tensor] = {}
     padded: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (the model's tensor, the file's rows, how many)
@@ -71,7 +75,7 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
         if key not in stored and hf.base_prefix and key.startswith(hf.base_prefix):
             key = key[len(hf.base_prefix):]  # files of the base model (GPT2Model's) leave the prefix out
         if key not in stored:
-            raise ConfigError(f"{KEY}: {folder} has no tensor {spec.name} (it has {len(stored)}, e.g. "
+            raise ConfigError(f"{option}: {folder} has no tensor {spec.name} (it has {len(stored)}, e.g. "
                               f"{', '.join(sorted(stored)[:3])}): is it a model of this architecture?")
         shape = tuple(ours.shape)
         if spec.transposed:
@@ -79,8 +83,9 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
         if spec.rows:
             shape = (spec.rows, *shape[1:])
         if stored[key] != shape:
-            raise ConfigError(f"{KEY}: {folder}'s {key} has the shape {list(stored[key])}, the model's {name} "
-                              f"needs {list(shape)}: the task's model settings differ from the folder's config.json")
+            raise ConfigError(f"{option}: {folder}'s {key} has the shape {list(stored[key])}, the model's {name} "
+                              f"needs {list(shape)}: the model that the task's settings and the folder's config.json "
+                              f"make does not fit these files")
         if spec.rows and (spec.rows != ours.shape[0] or isinstance(ours, DTensor)):
             rows = torch.empty(shape, dtype=ours.dtype)  # a row slice of a sharded tensor is no view of it: whole
             padded.append((ours, rows, spec.rows))
@@ -92,7 +97,7 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(targets, storage_reader=reader, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is no Exception
-        raise ConfigError(f"{KEY}: {folder} does not load ({error_text(e)})") from None
+        raise ConfigError(f"{option}: {folder} does not load ({error_text(e)})") from None
     with torch.no_grad():
         for ours, rows, n in padded:  # the stored rows; the padding rows keep their initial values
             whole = (ours.full_tensor() if isinstance(ours, DTensor) else ours).detach().to("cpu", copy=True)
@@ -104,33 +109,33 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel) -> None:
                 ours.copy_(whole)
 
 
-def _checkpoint(path: Path) -> Path:
+def _checkpoint(path: Path, option: str = KEY) -> Path:
     """The checkpoint folder that `path` names: itself, or the newest complete one of a run directory."""
     if NAME.match(path.name) and path.is_dir():
         return path
     for folder in (path, path / "checkpoints"):
         if folder.is_dir() and (found := complete_checkpoints(folder)):
             return found[0]
-    raise ConfigError(f"{KEY}: {path} is neither a Hugging Face model folder (config.json and *.safetensors) nor a "
+    raise ConfigError(f"{option}: {path} is neither a Hugging Face model folder (config.json and *.safetensors) nor a "
                       f"run directory or checkpoint folder of this project")
 
 
-def _load_checkpoint(model: nn.Module, path: Path) -> None:
+def _load_checkpoint(model: nn.Module, path: Path, option: str = KEY) -> None:
     """Another run's model weights (not its optimizer, step or data position: this is a new run)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     try:
         verify(path, rank, world)
         metadata = Reader(path).read_metadata()
     except Exception as e:
-        raise ConfigError(f"{KEY}: checkpoint {path} does not load ({error_text(e)})") from None
+        raise ConfigError(f"{option}: checkpoint {path} does not load ({error_text(e)})") from None
     state = get_model_state_dict(model)
     mismatch = state_mismatch(shapes_of(state), shapes(metadata, "model"))
     if mismatch is not None:
-        raise ConfigError(f"{KEY}: checkpoint {path} holds another model than this run's: {mismatch}")
+        raise ConfigError(f"{option}: checkpoint {path} holds another model than this run's: {mismatch}")
     try:
         dcp.load({"model": state}, storage_reader=Reader(path), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
-        raise ConfigError(f"{KEY}: checkpoint {path} does not load ({error_text(e)})") from None
+        raise ConfigError(f"{option}: checkpoint {path} does not load ({error_text(e)})") from None
     set_model_state_dict(model, state)
 
 
@@ -153,7 +158,9 @@ def save_hf(weights: dict[str, torch.Tensor], hf: HFModel, out: Path, dtype: tor
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(out)), no_dist=True)
     config = dict(hf.config)
-    config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+    # transformers 5 reads "dtype" (and "torch_dtype" only where "dtype" is missing), 4.x "torch_dtype": both, so a
+    # folder's own "dtype" (a config.json that transformers 5 wrote) does not say float32 over bfloat16 files
+    config["dtype"] = config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in hf.files:
         shutil.copy2(extra, out / Path(extra).name)

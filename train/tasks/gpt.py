@@ -134,25 +134,7 @@ class LanguageModel(Task):
             train = shards.Shard.of_array(builtin_tokens(self.seed, c.train_tokens, "train"), "builtin:train")
             val = shards.Shard.of_array(builtin_tokens(self.seed, c.eval_tokens, "val"), "builtin:val")
             return shards.TokenWindows([train], T), shards.TokenWindows([val], T)
-        files = shards.find_shards(c.data)
-        if c.eval_data:
-            named = [f for f in files if shards.split_of(f) == "train"]
-            train_files, val_files = named or files, shards.find_shards(c.eval_data, "task.eval_data")
-        else:
-            train_files = shards.split_shards(files, "train", c.data)
-            val_files = shards.split_shards(files, "val", c.data)
-        out = []
-        val_key = "task.eval_data" if c.eval_data else "task.data"
-        splits = [("task.data", train_files), (val_key, val_files)]
-        opened = [[shards.open_shard(p, c.format) for p in paths] for _, paths in splits]
-        shards.check_vocab(opened[0] + opened[1], g.vocab_size)  # read once, then cached (and by rank 0 only)
-        for (key, paths), split_shards in zip(splits, opened, strict=True):
-            ds = shards.TokenWindows(split_shards, T)
-            if len(ds) == 0:
-                raise ConfigError(f"{key}: no window of seq_len + 1 = {T + 1} tokens fits in any "
-                                  f"shard of {', '.join(paths)}; lower task.seq_len")
-            out.append(ds)
-        return out[0], out[1]
+        return shards.windows(c.data, c.eval_data, c.format, T, g.vocab_size)
 
     def model(self) -> nn.Module:
         with torch.device("meta"):  # no memory: the trainer shards it first, then gives it its values

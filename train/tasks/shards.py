@@ -182,10 +182,15 @@ def token_max(shards: list[Shard]) -> list[int]:
     return out
 
 
-def check_vocab(shards: list[Shard], vocab_size: int) -> None:
+VOCAB_KEY = "task.vocab_size"
+VOCAB_HINT = "tokenized with a larger vocabulary? set task.vocab_size (GPT-2's encoding: 50257, padded 50304)"
+
+
+def check_vocab(shards: list[Shard], vocab_size: int, vocab: str = VOCAB_KEY, hint: str = VOCAB_HINT) -> None:
     """Every token id must be < vocab_size: an out-of-range id would fail deep inside the embedding (or
     silently on some GPUs). Rank 0 finds each shard's largest id (token_max: read once, then cached) and
-    tells the other ranks, which then raise the same error, or none."""
+    tells the other ranks, which then raise the same error, or none. `vocab` names where the vocabulary's
+    size comes from in the error, `hint` what to do."""
     import torch.distributed as dist
 
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -201,8 +206,7 @@ def check_vocab(shards: list[Shard], vocab_size: int) -> None:
         raise ConfigError(f"task.data: {found[0]}")
     for shard, top in zip(shards, found[0], strict=True):
         if top >= vocab_size:
-            raise ConfigError(f"{shard.path}: token id {top} >= task.vocab_size {vocab_size}: tokenized with a "
-                              f"larger vocabulary? set task.vocab_size (GPT-2's encoding: 50257, padded 50304)")
+            raise ConfigError(f"{shard.path}: token id {top} >= {vocab} {vocab_size}: {hint}")
 
 
 SPLIT_WORDS = {"train": {"train"}, "val": {"val", "valid", "validation"}}
@@ -238,6 +242,31 @@ def split_shards(files: list[str], split: str, spec: str, key: str = "task.data"
         raise ConfigError(f"{key}: no shard in {spec} is named as a {split} shard (llm.c's *_{split}_*.bin or "
                           f"nanoGPT's {split}.bin)" + ("; or set task.eval_data" if split == "val" else ""))
     return chosen
+
+
+def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: int, vocab: str = VOCAB_KEY,
+            hint: str = VOCAB_HINT) -> tuple[TokenWindows, TokenWindows]:
+    """The training and evaluation windows of a language model's shards: the *train* and *val* files of `data`
+    (task.data), or those of `data` and `eval_data` (task.eval_data); every token id checked < vocab_size
+    (check_vocab); ConfigError where a split has no shard or no whole window."""
+    files = find_shards(data)
+    if eval_data:
+        named = [f for f in files if split_of(f) == "train"]
+        train_files, val_files = named or files, find_shards(eval_data, "task.eval_data")
+    else:
+        train_files = split_shards(files, "train", data)
+        val_files = split_shards(files, "val", data)
+    splits = [("task.data", train_files), ("task.eval_data" if eval_data else "task.data", val_files)]
+    opened = [[open_shard(p, fmt) for p in paths] for _, paths in splits]
+    check_vocab(opened[0] + opened[1], vocab_size, vocab, hint)  # read once, then cached (and by rank 0 only)
+    out = []
+    for (key, paths), split in zip(splits, opened, strict=True):
+        ds = TokenWindows(split, seq_len)
+        if len(ds) == 0:
+            raise ConfigError(f"{key}: no window of seq_len + 1 = {seq_len + 1} tokens fits in any "
+                              f"shard of {', '.join(paths)}; lower task.seq_len")
+        out.append(ds)
+    return out[0], out[1]
 
 
 class TokenWindows(Dataset):

@@ -1,0 +1,287 @@
+"""A Hugging Face causal language model (any transformers AutoModelForCausalLM: Llama, Qwen2, Mistral, GPT-2, ...)
+from a local folder, fine-tuned on token shards.
+
+    task:
+      name: train.tasks.hf:CausalLM
+      path: models/my-model  # config.json, *.safetensors and its tokenizer, on this machine: nothing is downloaded
+      data: data/my-text     # shards of its tokenizer: python -m train.prepare TEXT DIR --tokenizer models/my-model
+      seq_len: 512
+
+The model is built on the meta device from the folder's config.json (no memory). Under dist.strategy=fsdp its decoder
+layers (the classes transformers lists in the model's _no_split_modules) are the FSDP units and the blocks that
+train.activation_checkpointing recomputes. The trainer gives it its values tensor by tensor with transformers' own
+init (init_parameter: drawn from the trainer's generator, and the buffers that no file holds, such as the rotary
+embeddings' frequencies, computed), then the folder's weights (init_from: the path; a run's own checkpoints come first:
+a resume continues the run). `python -m train.export --format hf` writes the trained model as a folder of the same
+architecture: the path's config.json, the trained safetensors and the files the folder has beside (its tokenizer).
+
+The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer; every token id
+is checked against the model's vocabulary. transformers, safetensors and tokenizers are an optional extra (pip
+install -r requirements-hf.txt), imported only when a run names this task.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from train.config import ConfigError
+from train.task import HFModel, HFTensor, Task, hf_config
+from train.tasks import shards
+
+KEY = "task.path"
+# What a model folder holds that export does not copy: the weights (written anew) and config.json (the task's).
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def _transformers():
+    """transformers, offline (a local path is never taken for a Hub id: no job waits on the network)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"task.name: train.tasks.hf:CausalLM needs transformers ({e}): pip install -r "
+                          f"requirements-hf.txt") from None
+    transformers.logging.set_verbosity_error()  # its notices on every rank; errors still raise
+    return transformers
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+class CausalLM(Task):
+    @dataclass
+    class Config:
+        path: str = ""  # the Hugging Face model folder: config.json, *.safetensors (its tokenizer beside)
+        data: str = ""  # shards made with the model's tokenizer: a folder, a .bin file or a glob (*train*, *val*)
+        eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        seq_len: int = 1024  # tokens per window (at most the model's max_position_embeddings)
+        attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
+
+    unit = "tokens"
+
+    def __init__(self, cfg, seed: int):
+        super().__init__(cfg, seed)
+        self._folder: dict | None = None  # config.json, checked
+        self._config = None  # transformers' config of it
+        self._skeleton: nn.Module | None = None  # a meta model of init_parameter's own
+
+    # ---------------------------------------------------------------- the folder
+
+    def folder_config(self) -> dict:
+        """The folder's config.json, checked to describe a model the shards can feed (once): its vocabulary, its
+        positions against seq_len, its tokenizer's vocabulary against the model's."""
+        if self._folder is None:
+            path = Path(self.cfg.path)
+            h = hf_config(path, KEY)
+            if not isinstance(h.get("model_type"), str):
+                raise ConfigError(f"{KEY}: {path}/config.json has no model_type: not a transformers model's config "
+                                  f"(save_pretrained writes one)")
+            text = h.get("text_config") if isinstance(h.get("text_config"), dict) else {}
+            vocab = h.get("vocab_size", text.get("vocab_size"))
+            if not isinstance(vocab, int) or vocab <= 0:
+                raise ConfigError(f"{KEY}: {path}/config.json has no vocab_size")
+            positions = h.get("max_position_embeddings", h.get("n_positions", text.get("max_position_embeddings")))
+            if isinstance(positions, int) and self.cfg.seq_len > positions:
+                raise ConfigError(f"task.seq_len ({self.cfg.seq_len}) exceeds the {positions} positions of the "
+                                  f"model of {path} (max_position_embeddings in its config.json)")
+            tokens = tokenizer_size(path)
+            if tokens > vocab:
+                raise ConfigError(f"{KEY}: {path}/tokenizer.json has a vocabulary of {tokens} tokens, more than the "
+                                  f"model's {vocab} (vocab_size in its config.json): its ids from {vocab} on have no "
+                                  f"embedding; is it another model's tokenizer?")
+            self._folder = h | {"vocab_size": vocab}
+        return self._folder
+
+    def vocab_size(self) -> int:
+        return self.folder_config()["vocab_size"]
+
+    def hf_config(self):
+        """transformers' config of the folder (its model_type known to the installed transformers), once."""
+        if self._config is None:
+            h, path = self.folder_config(), self.cfg.path
+            t = _transformers()
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if h["model_type"] not in CONFIG_MAPPING:
+                raise ConfigError(f"{KEY}: {path}/config.json has model_type {h['model_type']!r}, which transformers "
+                                  f"{t.__version__} does not know (a newer transformers, or a model with custom "
+                                  f"code, which this task does not run)")
+            try:
+                config = t.AutoConfig.from_pretrained(path, local_files_only=True)
+            except Exception as e:
+                raise ConfigError(f"{KEY}: {path}/config.json does not read as a {h['model_type']} config "
+                                  f"({_one_line(e)})") from None
+            config.use_cache = False  # training: no key/value cache built in every forward
+            self._config = config
+        return self._config
+
+    # ---------------------------------------------------------------- the task
+
+    def check(self) -> None:
+        c = self.cfg
+        if not c.path:
+            raise ConfigError(f"{KEY}: the Hugging Face model folder to fine-tune (config.json and *.safetensors, "
+                              f"copied to this machine) is not set")
+        if not c.data:
+            raise ConfigError(f"task.data: the token shards to train on are not set (make them with the model's "
+                              f"tokenizer: python -m train.prepare TEXT DIR --tokenizer {c.path})")
+        if c.seq_len <= 0:
+            raise ConfigError(f"task.seq_len must be > 0, got {c.seq_len}")
+        if Path(c.path).exists():  # a folder not copied yet (a config written first) is missing when the run starts
+            self.folder_config()
+
+    def datasets(self) -> tuple[Dataset, Dataset]:
+        c = self.cfg
+        return shards.windows(c.data, c.eval_data, c.format, c.seq_len, self.vocab_size(),
+                              vocab=f"the vocab_size of {c.path}/config.json,",
+                              hint=f"tokenized for another model? make the shards with this one's tokenizer "
+                                   f"(python -m train.prepare TEXT DIR --tokenizer {c.path})")
+
+    def model(self) -> nn.Module:
+        config, t = self.hf_config(), _transformers()
+        try:
+            with torch.device("meta"):  # no memory: the trainer shards it, then gives it its values
+                return t.AutoModelForCausalLM.from_config(config, attn_implementation=self.cfg.attention,
+                                                          dtype=torch.float32)
+        except Exception as e:
+            raise ConfigError(f"{KEY}: transformers builds no causal language model from {self.cfg.path}/config.json "
+                              f"(model_type {config.model_type!r}: {_one_line(e)})") from None
+
+    def init_from(self) -> str:
+        return self.cfg.path
+
+    def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """transformers' own init of the tensor `name` (the model's _init_weights, applied as initialize_weights
+        does: to the module holding it, then to each module above), on a meta model of this task's own in which
+        `full` stands for that one tensor: the draws that touch other tensors touch meta ones and draw nothing,
+        and the draws are from `generator` alone. Buffers too: the rotary embeddings' inv_freq, in no file."""
+        if self._skeleton is None:
+            self._skeleton = self.model()
+        owner_name, _, attr = name.rpartition(".")
+        chain = [self._skeleton]
+        for part in owner_name.split(".") if owner_name else ():
+            chain.append(getattr(chain[-1], part))
+        owner = chain[-1]
+        store = owner._parameters if attr in owner._parameters else owner._buffers
+        was = store[attr]
+        blank = _blank(full)
+        store[attr] = nn.Parameter(full, requires_grad=False) if store is owner._parameters else full
+        pretrained = _transformers().PreTrainedModel
+        inits, current = [], None
+        for module in chain:  # a sub-model (a PreTrainedModel inside) has its own init, as smart_apply dispatches
+            if isinstance(module, pretrained):
+                current = module._init_weights
+            inits.append((module, current))
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(generator.get_state())
+                for module, init in reversed(inits):  # the module first, then those above (initialize_weights' order)
+                    init(module)
+                generator.set_state(torch.get_rng_state())
+        finally:
+            store[attr] = was
+        if blank is not None and bool(blank(full).any()):  # transformers' init does not reach it
+            if store is owner._buffers:
+                raise ConfigError(f"{KEY}: transformers' init of {type(self._skeleton).__name__} does not compute "
+                                  f"its buffer {name} (made by its module's constructor): this task cannot build it "
+                                  f"on the meta device")
+            std = getattr(self.hf_config(), "initializer_range", 0.02) or 0.02
+            with torch.no_grad():
+                if full.dim() >= 2:
+                    full.normal_(0.0, std, generator=generator)
+                else:
+                    full.fill_(1.0 if attr == "weight" else 0.0)
+
+    def hf_model(self, model: nn.Module) -> HFModel:
+        """The folder's own architecture: each parameter and persistent buffer under its own name (the names of
+        transformers' state dict are those of its files), a tied weight once (as save_pretrained leaves out
+        lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer)."""
+        tensors = {name: HFTensor(name) for name, _ in model.named_parameters()}  # a tied weight once
+        for prefix, module in model.named_modules():
+            for key, t in module._buffers.items():
+                if t is not None and key not in module._non_persistent_buffers_set:
+                    tensors[f"{prefix}.{key}" if prefix else key] = HFTensor(f"{prefix}.{key}" if prefix else key)
+        folder = Path(self.cfg.path)
+        config = {k: v for k, v in self.folder_config().items() if k not in ("dtype", "torch_dtype")}
+        files = tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
+                      and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
+        return HFModel(config=config, tensors=tensors, files=files)
+
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x).logits
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
+        logits = self.logits(model, x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))  # autocast computes it in fp32
+
+    def eval_step(self, model: nn.Module, batch) -> dict:
+        x, y = batch
+        logits = self.logits(model, x).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        if "loss" not in means:
+            return means
+        return {**means, "perplexity": math.exp(min(means["loss"], 700.0))}
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The decoder layers: the outermost modules of the classes transformers keeps whole on one device
+        (the model's _no_split_modules), else model.model.layers, else none."""
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        found, inside = [], set()
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            if any(c.__name__ in names for c in type(module).__mro__):
+                found.append(module)
+                inside.update(id(m) for m in module.modules())
+        if found:
+            return found
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+    def units_per_sample(self) -> int:
+        return self.cfg.seq_len
+
+
+def tokenizer_size(folder: Path) -> int:
+    """The vocabulary of the folder's tokenizer.json (its added tokens included); 0 where it has none."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return 0
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ConfigError(f"task.name: train.tasks.hf:CausalLM needs tokenizers ({e}): pip install -r "
+                          f"requirements-hf.txt") from None
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:
+        raise ConfigError(f"{KEY}: {path} does not read as a tokenizer ({_one_line(e)})") from None
+
+
+def _blank(full: torch.Tensor):
+    """Mark `full` as not yet written (NaN, or an integer type's smallest value) and return the test that finds
+    the marks left; None for a type that has no mark (bool)."""
+    if full.is_floating_point() or full.is_complex():
+        full.fill_(float("nan"))
+        return torch.isnan
+    if full.dtype == torch.bool:
+        return None
+    low = torch.iinfo(full.dtype).min
+    full.fill_(low)
+    return lambda t: t == low
