@@ -202,7 +202,7 @@ def default_collate(items: list, task: str | None = None) -> Any:
         where = f" at {', '.join(path)}" if path else ""
         raise ConfigError(f"{f'task {task}: ' if task else ''}the items of a batch differ in size{where} ({sizes}), "
                           f"and the default collate stacks them: define collate(self, items) in the task to pad, "
-                          f"pack or mask them (README.md: Train your own model)") from None
+                          f"pack or mask them (docs/tasks.md)") from None
 
 
 def _where_sizes_differ(items: list, path: tuple[str, ...]) -> tuple[tuple[str, ...], str] | None:
