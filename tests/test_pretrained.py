@@ -122,10 +122,11 @@ def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case
     else:
         overrides = [f"task.init_from={tmp_path}"]
         words = "is neither a Hugging Face model folder (config.json and *.safetensors) nor a run directory"
-    rc, out, err = finish(_launch(tmp_path / "run", *overrides, nproc=1))
-    assert rc == 2, err[-3000:]
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert words in lines[-1] and lines[-1].startswith("error: task.init_from"), err[-3000:]
+    proc = subprocess.run([PY, "-m", "train", *LM, f"run.dir={tmp_path / 'run'}", "train.steps=2", *overrides],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert words in lines[-1] and lines[-1].startswith("error: task.init_from"), proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
