@@ -62,8 +62,9 @@ def _launch(run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
 
 def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(tmp_path):
     """task.init_from a GPT-2 folder, 2 ranks FSDP: a run stopped by SIGTERM and relaunched ends bit for bit where
-    the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); the export
-    loads in transformers with the trained model's logits; bf16 export too."""
+    the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); under DDP the
+    same first loss and weights within 1% of how far training moved them; the export loads in transformers
+    with the trained model's logits; bf16 export too."""
     folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
     opts = [f"task.init_from={folder}", "dist.strategy=fsdp", "train.steps=8", "checkpoint.every=2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -72,6 +73,7 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
     assert f"task.init_from={folder}: the first step starts from the weights of the Hugging Face model" in out + err
     first = next(m["loss"] for m in metrics(ref) if "loss" in m)
     assert first < 4.9, first  # GPT-2's random weights: about ln(128); not the 0.02-init of a fresh model
+    hf_init = gpt_from(folder).state_dict()
 
     stop_at(_launch(run, *opts), run, 3)
     rc, out, err = finish(_launch(run, *opts))
@@ -80,6 +82,14 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
     a, b = latest_state(ref), latest_state(run)
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+
+    ddp = tmp_path / "ddp"  # the same fine-tune under DDP: the same weights loaded, the same training
+    rc, out, err = finish(_launch(ddp, *[o for o in opts if o != "dist.strategy=fsdp"], "dist.strategy=ddp"))
+    assert rc == 0, err[-3000:]
+    assert next(m["loss"] for m in metrics(ddp) if "loss" in m) == pytest.approx(first, rel=1e-6)
+    for k, v in latest_state(ddp)["model"].items():
+        moved = (a["model"][k] - hf_init[k]).norm() if k in hf_init else v.norm()
+        assert (v - a["model"][k]).norm() <= 0.01 * moved + 1e-6, k
 
     proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf"], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
