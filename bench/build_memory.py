@@ -86,8 +86,8 @@ def main() -> None:
         args.out = args.rank_out
         rank_main(args, overrides)
         return
-    if args.smoke:
-        args.layers, args.embd = 2, 64
+    if args.smoke:  # seconds: a small model, built on meta only
+        args.layers, args.embd, args.only = 2, 64, args.only or "meta"
     with tempfile.TemporaryDirectory(prefix="build-memory-") as d:
         results = {}
         for name, cpu in (("meta", False), ("cpu", True)):

@@ -150,11 +150,11 @@ def _build(tmp_path: Path, name: str, *args: str) -> dict:
 
 
 def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path):
-    """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP,
-    2 and 3 ranks under FSDP (3: shards of unequal sizes) start from the same bits, so comparing FSDP with
-    DDP still compares like with like."""
+    """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP and
+    3 ranks under FSDP (shards of unequal sizes) start from the same bits, so comparing FSDP with DDP, or
+    one world size with another, still compares like with like."""
     weights = {}
-    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-2", 2, "fsdp"), ("fsdp-3", 3, "fsdp")):
+    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-3", 3, "fsdp")):
         _build(tmp_path, name, f"--nproc={nproc}", f"--strategy={strategy}", "--layers=2", "--embd=64",
                "--save", str(tmp_path / f"{name}.pt"))
         weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
