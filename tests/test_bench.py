@@ -21,7 +21,8 @@ def test_benchmarks_smoke_writes_the_results_page(tmp_path):
                    "checkpoint save, 2 ranks / one process's torch.save + fsync",
                    "checkpoint save, 2 ranks / the disk's write", "dd conv=fsync of those bytes",
                    "checkpoint load, 2 ranks / one process's torch.load(mmap=True)", "async save: training blocked",
-                   "recovery after SIGKILL of a worker: total", "GPU: ResNet-50 224px"):
+                   "recovery after SIGKILL of a worker: total", "peak RSS per rank / M, built on the meta device",
+                   "GPU: ResNet-50 224px"):
         row = next(line for line in page.splitlines() if figure in line)
         assert "not measured" not in row, row
     # the smoke trains both loops from the same seed: the template adds no numerical difference
