@@ -66,6 +66,7 @@ def rank_main(args: argparse.Namespace, overrides: list[str]) -> None:
         Path(args.out).write_text(json.dumps(out))
     parts.log.close(0)
     distributed.teardown()
+    distributed.exit_process(0)  # not the interpreter's exit: gloo's threads may outlive the group (SIGABRT)
 
 
 def main() -> None:
