@@ -2,6 +2,7 @@
 
     python bench/build_memory.py [--nproc 2] [--layers 16] [--embd 1024] [--strategy fsdp] [--json OUT]
     python bench/build_memory.py ... --only cpu      # only the model built whole on every rank's CPU first
+    python bench/build_memory.py ... --init-from DIR # then load a HF GPT-2 folder of those sizes (task.init_from)
 
 Each rank runs trainer.build (the model, its sharding and its initial values: train/parallel/wrapping.py)
 on the built-in GPT (vocabulary 256, so that nearly all of M is in the blocks), then reports its peak
@@ -53,10 +54,16 @@ def rank_main(args: argparse.Namespace, overrides: list[str]) -> None:
     before = status_kib("VmRSS")
     parts = trainer.build(cfg, denv, device)
     peak = status_kib("VmHWM")
+    row = {"rank": denv.rank, "rss_before_mib": before / 1024, "peak_mib": peak / 1024,
+           "increase_mib": (peak - before) / 1024}
+    if source := parts.task.init_from():  # then its weights, as the trainer loads them before the first step
+        from train.checkpoint import pretrained
+
+        pretrained.load(parts.raw, parts.task, source, parts.log)
+        row["load_increase_mib"] = (status_kib("VmHWM") - before) / 1024
     model_bytes = sum(p.numel() * p.element_size() for p in parts.raw.parameters())  # DTensors: whole shapes
     rows = [None] * denv.world_size
-    dist.all_gather_object(rows, {"rank": denv.rank, "rss_before_mib": before / 1024,
-                                  "peak_mib": peak / 1024, "increase_mib": (peak - before) / 1024})
+    dist.all_gather_object(rows, row)
     if args.save:
         full = get_model_state_dict(parts.raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if denv.rank == 0:
@@ -78,6 +85,8 @@ def main() -> None:
     p.add_argument("--only", choices=("meta", "cpu"), help="one build (default: both)")
     p.add_argument("--cpu-build", action="store_true", help=argparse.SUPPRESS)  # a rank of the cpu build
     p.add_argument("--save", help="rank 0 writes the model's whole initial weights here (torch.save)")
+    p.add_argument("--init-from", help="then load these weights (task.init_from: a HF GPT-2 folder of the same "
+                                        "sizes, or a run's checkpoint), and report the peak after the load too")
     p.add_argument("--config", default="configs/gpt.yaml")
     p.add_argument("--smoke", action="store_true", help="seconds: a small model")
     p.add_argument("--json")
@@ -99,10 +108,13 @@ def main() -> None:
                    "--rank-out", str(out), *(["--cpu-build"] if cpu else []),
                    *(["--save", args.save] if args.save else []),
                    "--config", args.config, f"run.dir={d}/run-{name}", "log.wandb.mode=disabled", "log.report=false",
-                   "task.vocab_size=256", "task.data=builtin", "task.train_tokens=20000", "task.eval_tokens=5000",
-                   "task.seq_len=64", f"task.n_layer={args.layers}", f"task.n_embd={args.embd}", "task.n_head=8",
+                   "task.data=builtin", "task.train_tokens=20000", "task.eval_tokens=5000", "task.seq_len=64",
+                   *([] if args.init_from else  # a HF folder's config.json gives the sizes
+                     ["task.vocab_size=256", f"task.n_layer={args.layers}", f"task.n_embd={args.embd}",
+                      "task.n_head=8"]),
                    f"dist.strategy={args.strategy}", "data.num_workers=0", "resume=never",
-                   f"train.global_batch_size={args.nproc}", "train.micro_batch_size=1", *overrides]
+                   f"train.global_batch_size={args.nproc}", "train.micro_batch_size=1",
+                   *([f"task.init_from={args.init_from}"] if args.init_from else []), *overrides]
             subprocess.run(cmd, cwd=ROOT, env=env(), check=True)
             results[name] = json.loads(out.read_text())
             r = results[name]
@@ -110,6 +122,11 @@ def main() -> None:
             print(f"{name} build, {args.strategy}, {r['world']} ranks: model M = {r['model_mib']:.0f} MiB; "
                   f"peak RSS above the start, per rank: " + ", ".join(f"{x['increase_mib']:.0f}" for x in r["ranks"])
                   + f" MiB (worst {worst / r['model_mib']:.2f} M)", flush=True)
+            if "load_increase_mib" in r["ranks"][0]:
+                worst = max(x["load_increase_mib"] for x in r["ranks"])
+                print(f"  then its weights from {args.init_from}: peak RSS above the start, per rank: "
+                      + ", ".join(f"{x['load_increase_mib']:.0f}" for x in r["ranks"])
+                      + f" MiB (worst {worst / r['model_mib']:.2f} M)", flush=True)
     if args.json:
         figures = {"build_model_mib": next(iter(results.values()))["model_mib"]}
         for name, r in results.items():
