@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train import config
 from train.config import parse_args
-from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
+from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError, say
 from train.stops import markers, signals
 
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error = e.line()  # one raised in a loader worker comes back with the worker's traceback: not shown
         prefix = f"[rank {denv.rank}] " if denv is not None and denv.world_size > 1 else ""
-        print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+        say(f"{prefix}error: {error}")
     # Out of the except block the traceback is let go, and with it the frames that held a loader's iterator: its
     # workers end now, not killed with this process by the launcher (their queues' semaphores left behind).
     if cfg is not None and os.environ.get(LAUNCH_ID_VAR):

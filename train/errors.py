@@ -6,6 +6,8 @@ entry points (python -m train, train.launch, .prepare, .export, .report, .doctor
 its components (data, checkpoints, distributed setup, logs) -> config -> this module.
 """
 
+import sys
+
 
 class ConfigError(ValueError):
     """A usage error in the configuration: reported in one line, exit code 2."""
@@ -28,3 +30,10 @@ class UsageError(Exception):
 EXIT_USAGE = 2  # a usage error (bad config, bad arguments): one line; launchers do not retry it
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on a signal after saving; launchers requeue/restart on it
 LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # the id train/launch/launcher.py gives each launch: its workers' markers carry it
+
+
+def say(line: str) -> None:
+    """One line to stderr in one write: the ranks of a node share their stderr (torchrun's), and print()'s
+    separate writes of the text and its newline let two ranks' lines run into one (seen in CI)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -20,7 +20,7 @@ from train.checkpoint.checkpointer import Checkpointer
 from train.checkpoint.resume import check_fresh_start
 from train.checkpoint.storage import SaveError
 from train.config import Config, ConfigError
-from train.errors import EXIT_REQUEUE
+from train.errors import EXIT_REQUEUE, say
 from train.observe.log import RunLog, check_tracker
 from train.observe.metrics import StepMeter
 from train.parallel import data, distributed, hang, wrapping
@@ -325,10 +325,9 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             reason = SAVE_FAILED
         if reason is None:
             raise
-        print(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-              file=sys.stderr, flush=True)
+        say(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
-            print(f"[rank {denv.rank}] error: {who}", file=sys.stderr)  # who did not join (train/parallel/hang.py)
+            say(f"[rank {denv.rank}] error: {who}")  # who did not join (train/parallel/hang.py)
         return 1
     finally:
         if ckpt is not None:

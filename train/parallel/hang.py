@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from train.errors import say
 from train.parallel.distributed import DistEnv, exit_process, hostname
 from train.stops.markers import launch_id
 
@@ -151,7 +152,7 @@ def _answer() -> None:
         return
     if _ctx.get("reporting"):  # its collective timed out meanwhile: the main thread ends it
         return
-    print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
+    say(f"[rank {rank}] error: {line}")
     exit_process(1)  # stuck outside a collective: end, so that this node's torchrun ends too
 
 
