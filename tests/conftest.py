@@ -24,11 +24,18 @@ PY = sys.executable
 
 # The default config shrunk to a few CPU seconds: 16x16 images, 256 samples (16 steps per epoch).
 # W&B and the end-of-run report are off (3-4 s of every launch); the tests about them turn them on.
-TINY = [
+RESNET = [
     "task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "data.num_workers=0",
     "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
     "train.steps=6", "checkpoint.every=0", "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false",
 ]
+# The same with a ResNet of 0.3M parameters (tests/small_task.py): what most tests train. RESNET (the built-in
+# ResNet-18) is for the tests about that model itself and for runs inside the image (which holds no tests/).
+SMALL_TASK = f"task.name={ROOT / 'tests' / 'small_task.py'}:SmallImages"
+TINY = [*RESNET, SMALL_TASK]
+# A step of at least 0.15 s of wall time (about a ResNet-18 step's), a sleep that takes no CPU: for the runs a
+# test acts on mid-way (tests/small_task.py).
+PACED = ["task.step_delay_s=0.15"]
 OBSERVED = ["log.wandb.mode=offline", "log.report=true"]  # the defaults TINY turns off
 
 # Variables a launcher would set: tests start from none of them.
@@ -145,17 +152,17 @@ def assert_same_training(reference: Path, run: Path) -> None:
 GROUPNORM = ["task.norm=group", "optim.lr=0.005"]
 
 
-def assert_trained_alike(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0) -> None:
+def assert_trained_alike(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0, model: list = TINY) -> None:
     """Two model state dicts (the ResNet with GROUPNORM and the CIFAR stem: images of 8-64 px) trained the same:
     each tensor differs by less than rtol of how far training moved it from the initial weights (plus atol, an
     absolute slack on the norm of the difference). Float rounding differs with the batch split (CPU kernels
     pick other algorithms for other batch sizes; seen: up to 0.6% after 6 steps), while a wrong average (a
     sum, a rank's own gradient, a missed micro-batch) or weights not restored by a resume move them
-    differently by tens of percent. Tensors of a GPU run's checkpoint load onto the GPU: they are compared on
-    the CPU, where the initial weights are made."""
+    differently by tens of percent. `model`: the overrides that chose the runs' task (TINY or RESNET). Tensors of
+    a GPU run's checkpoint load onto the GPU: they are compared on the CPU, where the initial weights are made."""
     from train import config
 
-    cfg = config.load("configs/default.yaml", ["task.image_size=16", *GROUPNORM])
+    cfg = config.load("configs/default.yaml", [*model, *GROUPNORM])  # the model of the runs compared
     torch.manual_seed(cfg.seed)  # as the trainer does before it builds the model
     init = cfg.task_class(cfg.task, cfg.seed).model().state_dict()
     assert a.keys() == b.keys() == init.keys()

@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import (
     PY,
+    RESNET,
     RNG_DRAWS,
     ROOT,
     assert_same_training,
@@ -75,10 +76,10 @@ def test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise(tmp_path):
     proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(old)], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "converted 1 checkpoint(s)" in proc.stdout, proc.stderr
-    proc = run_train(old, "task.augment=false", LATER, entry=RNG_DRAWS)
+    proc = run_train(old, *RESNET, "task.augment=false", LATER, entry=RNG_DRAWS, tiny=False)  # OLD's model
     assert f"resumed from {old / 'checkpoints' / 'step_00000002'} at step 2" in proc.stdout + proc.stderr
     ref = tmp_path / "ref"
-    run_train(ref, "task.augment=false", LATER, entry=RNG_DRAWS)
+    run_train(ref, *RESNET, "task.augment=false", LATER, entry=RNG_DRAWS, tiny=False)
     assert list(train_losses(old)) == [1, 2, 3, 4]
     assert_same_first_steps(ref, old, OLD)
     assert_same_training(ref, old)

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from tests import engine
-from tests.conftest import ROOT, TINY, assert_same_training, latest_state, summary
+from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
+from tests.conftest import ROOT, assert_same_training, latest_state, summary
 from tests.engine import docker
 from tests.multinode import dockerfile_instructions, final_stage, image_exec, required, workdir
 from tests.procs import logged_steps, wait_for

@@ -1,8 +1,8 @@
-"""Golden numbers: the first losses and evaluations of the ResNet (TINY) and of the tiny language model on 2 CPU
-ranks, compared with tests/golden.json to a relative 1e-4 (RTOL). A change that moves any of them (the initial
-weights, the data or its augmentation, the sampler, the optimizer, the loss, the averaging over ranks) fails
-here, so that numbers move only on purpose. When they are meant to move, write the file again and commit it
-with the change:
+"""Golden numbers: the first losses and evaluations of the built-in ResNet-18 (conftest.RESNET) and of the tiny
+language model on 2 CPU ranks, compared with tests/golden.json to a relative 1e-4 (RTOL). A change that moves any
+of them (the initial weights, the data or its augmentation, the sampler, the optimizer, the loss, the averaging
+over ranks) fails here, so that numbers move only on purpose. When they are meant to move, write the file again
+and commit it with the change:
 
     GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/test_golden.py
 
@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import RESNET as RESNET_TINY
 from tests.conftest import metrics, run_train
 from tests.test_lm_train import run_lm
 
 GOLDEN = Path(__file__).with_name("golden.json")
 RTOL = 1e-4
-# The ResNet: finished_two_ranks (conftest) without its saves. The language model: test_lm_train's (windows of 32
+# The ResNet: RESNET_TINY on 2 ranks, evaluated every 2 steps. The language model: test_lm_train's (windows of 32
 # tokens, 2 ranks x 2 micro-steps of 4) in fp32, 4 layers of width 128.
 RESNET = ["checkpoint.every=0", "train.eval_every=2"]
 LM = ["task.model=tiny", "train.precision=fp32", "train.steps=6", "train.log_every=1", "train.eval_every=3"]
@@ -54,7 +55,7 @@ def flat(numbers: dict, prefix: str = "") -> dict:
 @pytest.fixture(scope="module")
 def golden_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("golden")
-    run_train(root / "resnet", *RESNET, nproc=2)
+    run_train(root / "resnet", *RESNET_TINY, *RESNET, nproc=2, tiny=False)
     run_lm(root / "lm", *LM)
     return {"resnet": root / "resnet", "lm": root / "lm"}
 
@@ -73,12 +74,13 @@ def test_the_first_losses_of_the_resnet_and_the_language_model_are_the_golden_on
             f"tests/golden.json.\nnow:    {got[name]}\ngolden: {golden[name]}")
 
 
-def test_an_evaluation_without_a_save_before_it_is_the_one_after_a_save(golden_runs, finished_two_ranks):
-    """finished_two_ranks is the golden ResNet run with a save at steps 2 and 4, each before the evaluation of its
-    step; a save gives every rank rank 0's BatchNorm statistics. The golden run saves only at the end: its
-    evaluations at steps 2 and 4 must still use rank 0's statistics on both ranks (evaluate() syncs them), and
-    give the same numbers; the saves change no loss."""
-    plain, saved = numbers(golden_runs["resnet"]), numbers(finished_two_ranks)
+def test_an_evaluation_without_a_save_before_it_is_the_one_after_a_save(tmp_path, finished_two_ranks):
+    """finished_two_ranks (TINY, 2 ranks) saves at steps 2 and 4, each before the evaluation of its step; a save
+    gives every rank rank 0's BatchNorm statistics. The same run without those saves (only at the end) must
+    still evaluate steps 2 and 4 with rank 0's statistics on both ranks (evaluate() syncs them), and give the
+    same numbers; the saves change no loss."""
+    run_train(tmp_path, *RESNET, nproc=2)
+    plain, saved = numbers(tmp_path), numbers(finished_two_ranks)
     assert plain["loss"] == saved["loss"]
     assert sorted(plain["eval"]) == sorted(saved["eval"]) == ["2", "4", "6"]
     assert plain["eval"] == saved["eval"]

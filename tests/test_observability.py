@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import OBSERVED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
+from tests.conftest import OBSERVED, PACED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
 from train import config
 from train.config import ConfigError
 from train.observe import metrics as meter
@@ -434,7 +434,7 @@ def test_w_and_b_dying_mid_run_does_not_stop_training(tmp_path):
     training goes on to its end and metrics.jsonl holds every step."""
     from tests.procs import descendants, logged_steps, wait_for
 
-    proc = subprocess.Popen(train_cmd(tmp_path, *OBSERVED, "log.report=false", "train.steps=12"), cwd=ROOT,
+    proc = subprocess.Popen(train_cmd(tmp_path, *OBSERVED, *PACED, "log.report=false", "train.steps=12"), cwd=ROOT,
                             env=obs_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(logged_steps(tmp_path)) >= 3, 120, "step 3")
     service = [p for p in descendants(proc.pid) if b"wandb-core" in Path(f"/proc/{p}/cmdline").read_bytes()]

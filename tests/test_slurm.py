@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+from tests.conftest import PACED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
 from tests.hosts import Hosts
 from tests.hosts import _usable as hosts_unusable
 from tests.multinode import required
@@ -32,16 +32,19 @@ NEEDED = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slur
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 # 16 steps (one epoch): a few seconds per run; the same for every run compared.
-OVR = [*TINY, "train.steps=16", "dist.timeout_s=60"]
+OVR = [*TINY, *PACED, "train.steps=16", "dist.timeout_s=60"]  # paced: the tests signal jobs mid-run
 
 
+# A requeued job waits this long before it may start again (SLURM's cred_expire: 120 s by default; below 5 it
+# is refused: ../shared/notes/slurm-on-one-host.md).
+CRED_EXPIRE = 5
 CONF = """ClusterName=ddphosts
 SlurmctldHost={ctl.name}({ctl.addr})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={state}/munge.socket,cred_expire=10
+AuthInfo=socket={state}/munge.socket,cred_expire={cred_expire}
 StateSaveLocation={state}/ctld
 SlurmctldPidFile={state}/slurmctld.pid
 SlurmctldLogFile={state}/log/slurmctld.log
@@ -94,7 +97,8 @@ class SlurmHosts:
         nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 State=UNKNOWN" for h in self.hosts[1:])
         common = "".join(line for line in (ROOT / "slurm" / "cluster.conf").read_text().splitlines(keepends=True)
                          if not line.startswith("#"))
-        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes, common=common.rstrip("\n")))
+        self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes, common=common.rstrip("\n"),
+                                         cred_expire=CRED_EXPIRE))
         # munge: a key of its own (owned by root, who runs everything here), its socket on the shared
         # file system, reached from every host as munge's socket is on a cluster node.
         key = st / "munge.key"
@@ -155,7 +159,7 @@ def job_info(cluster: SlurmHosts, job_id: str) -> dict[str, str]:
 
 
 def wait_job(cluster: SlurmHosts, job_id: str, timeout: float = 300) -> dict[str, str]:
-    """Poll until the job ends. A requeued job starts again after the cluster's cred_expire (10 s with
+    """Poll until the job ends. A requeued job starts again after the cluster's CRED_EXPIRE (10 s with
     slurm/local-cluster.sh); `scontrol update StartTime=now` before that gets it killed ("Job
     credential revoked"), so the tests wait."""
     deadline = time.time() + timeout
@@ -477,7 +481,7 @@ def test_sbatch_plain_scancel_cancels_without_requeue(slurm_cluster, tmp_path, c
     wait_steps(slurm_cluster, run_dir, 2, job_id)
     assert slurm_cluster.run(["scancel", job_id], timeout=30).returncode == 0
     info = wait_job(slurm_cluster, job_id, timeout=120)
-    time.sleep(15)  # longer than the cluster's cred_expire: a requeued job would be pending or running again
+    time.sleep(CRED_EXPIRE + 5)  # a requeued job would be pending or running again by now
     info = job_info(slurm_cluster, job_id)
     log = out.read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, log[-5000:])

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import GROUPNORM, assert_trained_alike, latest_state, run_train, summary
+from tests.conftest import GROUPNORM, TINY, assert_trained_alike, latest_state, run_train, summary
 from train import config
 from train.parallel import data
 
@@ -93,7 +93,7 @@ def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(t
 def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
     """The reported accuracy is that of the whole eval set, recomputed here from the final weights."""
     run_train(tmp_path, *GROUPNORM, "task.eval_samples=201", "train.steps=12", "optim.lr=0.05", nproc=2)
-    cfg = config.load("configs/default.yaml", ["task.image_size=16", "task.eval_samples=201", *GROUPNORM])
+    cfg = config.load("configs/default.yaml", [*TINY, "task.eval_samples=201", *GROUPNORM])  # the run's task
     task = cfg.task_class(cfg.task, cfg.seed)
     eval_set = data.SeededSamples(task.datasets()[1], cfg.seed)
     net = task.model()

@@ -1,0 +1,66 @@
+"""The built-in image task (its data, augmentation, batch norm, evaluation and stages) with a ResNet of 0.3M
+parameters instead of ResNet-18's 11M: the model most tests train (conftest.TINY).
+
+What the tests prove (stops, resumes, restarts, hangs, launchers) is the trainer's and holds for any task; a
+ResNet-18 step costs ~0.16 s of CPU on 2 ranks (mostly its parameters: gradients, all-reduce, optimizer, saves),
+this one's a few milliseconds. The tests about the built-in model itself (tests/test_golden.py, test_training.py,
+test_fsdp.py's ResNet, the README's run) use `train.tasks.image` (conftest.RESNET).
+
+`task.step_delay_s` sleeps that long in each micro-step: a run whose steps must last while a test acts on it
+(a signal after step N, a kill mid-run) gets the wall time without using the CPU the other tests need.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torchvision.models.resnet import BasicBlock
+
+from train.tasks.image import ImageClassification
+
+WIDTHS = (16, 32, 64, 128)
+
+
+class SmallResNet(nn.Module):
+    """torchvision's ResNet layout (stem, layer1..layer4 of one BasicBlock each, pooling, fc), narrower."""
+
+    def __init__(self, num_classes: int, norm_layer=None):
+        super().__init__()
+        norm = norm_layer or nn.BatchNorm2d
+        self.conv1 = nn.Conv2d(3, WIDTHS[0], kernel_size=3, stride=1, padding=1, bias=False)  # the CIFAR stem
+        self.bn1 = norm(WIDTHS[0])
+        self.relu = nn.ReLU(inplace=True)
+        stages, width = [], WIDTHS[0]
+        for i, out in enumerate(WIDTHS):
+            stride = 1 if i == 0 else 2
+            down = None
+            if stride != 1 or width != out:
+                down = nn.Sequential(nn.Conv2d(width, out, kernel_size=1, stride=stride, bias=False), norm(out))
+            stages.append(nn.Sequential(BasicBlock(width, out, stride, down, norm_layer=norm)))
+            width = out
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+class SmallImages(ImageClassification):
+    @dataclass
+    class Config(ImageClassification.Config):
+        step_delay_s: float = 0.0  # a sleep in each micro-step (see the module's docstring)
+
+    def model(self) -> nn.Module:
+        norm = None
+        if self.cfg.norm == "group":
+            def norm(channels: int) -> nn.Module:
+                return nn.GroupNorm(min(32, channels), channels)
+        return SmallResNet(getattr(self, "num_classes", self.cfg.num_classes), norm)
+
+    def loss(self, model: nn.Module, batch):
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
+        return super().loss(model, batch)
