@@ -18,7 +18,8 @@ import torch
 from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
 from tests.procs import children, wait_for
 
-LONG = [*TINY, "train.steps=30", "checkpoint.every=5", "dist.timeout_s=20"]
+# Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
+LONG = [*TINY, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]
 
 
 def free_port() -> int:
@@ -110,11 +111,12 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_pa
     ref, hit = tmp_path / "ref", tmp_path / "hit"
     run_train(ref, *LONG[len(TINY):], nproc=2)
     proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
-    wait_for(lambda: reached(hit, 12), 120, "step 12")
-    os.kill(workers(hit)[1], signal.SIGKILL)
+    rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
+    wait_for(lambda: reached(hit, 7), 120, "step 7")  # step 5's save is over; step 10's not begun
+    os.kill(rank1, signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 0, err[-3000:]
-    assert "resumed from" in out and "at step 10" in out  # the latest checkpoint before the kill
+    assert "resumed from" in out and "at step 5" in out  # the latest checkpoint before the kill
     for k, v in latest_state(ref)["model"].items():
         assert torch.equal(v, latest_state(hit)["model"][k]), k
     assert train_losses(ref) == train_losses(hit)
@@ -150,11 +152,12 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
     # ignores --shutdown-timeout), which the hung rank waits out
     timeout_s, torchrun_grace_s = 5, 30
     proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1",
-                  overrides=[*TINY, "train.steps=24", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
+                  overrides=[*TINY, "train.steps=16", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
+        rank1 = wait_for(lambda: workers(tmp_path).get(1), 120, "rank 1")
         wait_for(lambda: reached(tmp_path, 6), 120, "step 6")
-        os.kill(workers(tmp_path)[1], signal.SIGSTOP)  # hung: it ignores the SIGTERM too, until SIGKILLed
+        os.kill(rank1, signal.SIGSTOP)  # hung: it ignores the SIGTERM too, until SIGKILLed
         stopped_at = time.time()
         detected = err.seen(f"collective timed out after dist.timeout_s={timeout_s} s", 120) - stopped_at
         restarted = out.seen("resumed from", 180) - stopped_at
@@ -172,7 +175,7 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
     assert timeout_s - 1 <= detected <= timeout_s + 10, detected
     assert restarted <= detected + torchrun_grace_s + 60, (detected, restarted)
     print(f"detected {detected:.1f} s after the hang, group restarted {restarted:.1f} s after it")
-    assert summary(tmp_path)["steps"] == 24 and "resumed from" in out.text()
+    assert summary(tmp_path)["steps"] == 16 and "resumed from" in out.text()
 
 
 def test_exhausted_restarts_end_with_one_line_and_a_nonzero_code(tmp_path):
@@ -192,30 +195,72 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
     proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a time limit; forwarded as SIGTERM
     rc, out, err = finish(proc, timeout=60)
     assert rc == 75, err[-3000:]
-    assert 7 <= latest_state(tmp_path)["step"] < 30 and "stopped on SIGTERM" in out
+    assert 7 <= latest_state(tmp_path)["step"] < 16 and "stopped on SIGTERM" in out
     assert "Traceback" not in err  # torchrun's SignalException is the expected end of a stop, not news
     rc, out, err = finish(launch(tmp_path, "--nproc-per-node=2"))
-    assert rc == 0 and summary(tmp_path)["steps"] == 30 and sorted(train_losses(tmp_path)) == list(range(1, 31))
+    assert rc == 0 and summary(tmp_path)["steps"] == 16 and sorted(train_losses(tmp_path)) == list(range(1, 17))
+
+
+HELD_TASK = '''
+import os
+import time
+
+from train.stops.signals import received
+from train.tasks.image import ImageClassification
+
+
+class HeldAlone:
+    """The training set: while the file BRAKE exists, a rank of a world of 1 waits in __getitem__ until a stop
+    signal reaches it (its agent restarts the group for a node that joined)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        while os.environ.get("WORLD_SIZE") == "1" and os.path.exists(BRAKE) and received() is None:
+            time.sleep(0.01)
+        return self.inner[index]
+
+
+class Held(ImageClassification):
+    def datasets(self):
+        train, ev = super().datasets()
+        return HeldAlone(train), ev
+'''
 
 
 def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
     """--nnodes=1:2 on two agents on two hosts: world 1, then 2 when the second node joins, then 1 again when
-    the second host loses all its processes at once (launcher, agent, workers: SIGKILL)."""
+    the second host loses all its processes at once (launcher, agent, workers: SIGKILL). Node A, alone, waits
+    in a data read from step 8 on until the restart for node B stops it (a test task: so that it counts steps
+    while B starts, not seconds), and no longer once the group of two has formed."""
     host_a, host_b = make_hosts("node-a", "node-b")
+    brake = tmp_path / "brake"
+    (tmp_path / "held_task.py").write_text(f"BRAKE = {str(brake)!r}\n" + HELD_TASK)
+    # A lost node leaves the rendezvous once its heartbeats are missed keep_alive_max_attempt times,
+    # keep_alive_interval s apart (torch's default: 3 x 5 s); node A's group re-forms alone only then.
     common = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=elastic",
-              "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--max-restarts=3"]
-    overrides = [*TINY, "train.steps=90", "checkpoint.every=5", "dist.timeout_s=15"]
-    a = launch(tmp_path, *common, overrides=overrides, host=host_a)
+              "--rdzv-conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
+              "--max-restarts=3"]
+    run = tmp_path / "run"
+    overrides = [*TINY, "train.steps=30", "checkpoint.every=5", "dist.timeout_s=15",
+                 f"task.name={tmp_path / 'held_task.py'}:Held"]
+    a = launch(run, *common, overrides=overrides, host=host_a)
     b = None
     try:
-        wait_for(lambda: reached(tmp_path, 8), 120, "node A alone at step 8")
-        b = launch(tmp_path, *common, overrides=overrides, host=host_b)
-        log0 = tmp_path / "logs" / "rank0.log"
+        wait_for(lambda: reached(run, 8), 120, "node A alone at step 8")
+        brake.touch()
+        b = launch(run, *common, overrides=overrides, host=host_b)
+        log0 = run / "logs" / "rank0.log"
         wait_for(lambda: "world size 2 (torchrun)" in log0.read_text(), 120, "the group to re-form with 2 nodes")
-        grown_at = max(m["step"] for m in metrics(tmp_path))
+        brake.unlink()
+        grown_at = max(m["step"] for m in metrics(run))
         # Until the 2-node group's checkpoint is complete (`latest` names it): a loss is logged before its
         # step's save ends, and a kill during that save resumes from the 1-node checkpoint (no change seen).
-        wait_for(lambda: reached(tmp_path, grown_at + 5) and latest_step(tmp_path) > grown_at, 120,
+        wait_for(lambda: reached(run, grown_at + 5) and latest_step(run) > grown_at, 120,
                  "a checkpoint of the 2-node group")
         kill_tree(b.pid)  # node B is lost: launcher, agent and workers
         rc, out, err = finish(a)
@@ -227,11 +272,11 @@ def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
     assert rc == 0, err[-3000:]
     log = log0.read_text()
     assert "world size changed from 1 to 2" in log and "world size changed from 2 to 1" in log
-    s = summary(tmp_path)
-    assert s["steps"] == 90 and s["world_size"] == 1
-    data = latest_state(tmp_path)["data"]
-    assert data["epoch"] * 256 + data["samples_in_epoch"] == 90 * 16  # every sample counted once
-    assert sorted(train_losses(tmp_path)) == list(range(1, 91))
+    s = summary(run)
+    assert s["steps"] == 30 and s["world_size"] == 1
+    data = latest_state(run)["data"]
+    assert data["epoch"] * 256 + data["samples_in_epoch"] == 30 * 16  # every sample counted once
+    assert sorted(train_losses(run)) == list(range(1, 31))
 
 
 def test_launcher_builds_one_command_line_from_arguments_or_environment():
@@ -271,7 +316,7 @@ def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
         rc, out, err = finish(launch(tmp_path, "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}"), 60)
     assert rc == 1 and err.strip().splitlines()[-1].startswith(f"error: port {port} on 127.0.0.1 is in use")
     lonely = launch(tmp_path, "--nproc-per-node=1", "--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                    "--rdzv-conf=join_timeout=3")
+                    "--rdzv-conf=join_timeout=1")
     rc, out, err = finish(lonely, 120)
     assert rc == 1 and err.strip().splitlines()[-1].startswith("error: rendezvous timed out: not every node joined")
 
@@ -318,12 +363,12 @@ def test_plain_torchrun_recovers_after_a_dataloader_worker_is_killed(tmp_path):
     env = {k: v for k, v in clean_env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    wait_for(lambda: reached(tmp_path, 8), 120, "step 8")
+    wait_for(lambda: reached(tmp_path, 7), 120, "step 7")
     loader = wait_for(lambda: loader_workers(workers(tmp_path)[1]), 30, "rank 1's DataLoader worker")[0]
     os.kill(loader, signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 0, err[-4000:]
-    assert "resumed from" in out and summary(tmp_path)["steps"] == 30
+    assert "resumed from" in out and summary(tmp_path)["steps"] == 16
     # Its parent is the fork server, not the rank: torch sees it exit, not which signal ended it.
     assert re.search(r"^\[rank 1\] error: a DataLoader worker died \([^;]*; often the out-of-memory "
                      r"killer\)", err, re.M), err[-4000:]

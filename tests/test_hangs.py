@@ -48,7 +48,8 @@ class Spin(ImageClassification):
 '''
 
 SPIN_LINE = next(n for n, line in enumerate(SPIN_TASK.splitlines(), 1) if "while" in line)
-TIMEOUT = ["dist.timeout_s=12", "train.steps=40"]
+TIMEOUT_S = 5  # dist.timeout_s: how long the ranks that did join a collective wait for the others
+TIMEOUT = [f"dist.timeout_s={TIMEOUT_S}", "train.steps=40"]
 ARGS = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=n1:29400", "--stop-timeout=5"]
 
 
@@ -82,11 +83,11 @@ def test_a_rank_stuck_in_python_is_named_with_its_host_collective_and_line(make_
     run, la, lb, _ = start(make_hosts, tmp_path, f"task.name={tmp_path / 'spin_task.py'}:Spin")
     for rc, last, text in last_lines(la, lb):
         assert rc == 1, text[-3000:]
-        # e.g. error: rank 1 on n2 did not join broadcast #35 (rank 0 waited 12 s); rank 1 was in
+        # e.g. error: rank 1 on n2 did not join broadcast #35 (rank 0 waited 5 s); rank 1 was in
         # spin_task.py:18 __getitem__ (while ...); every rank's stack: RUN/logs/rank*.stacks.txt
-        m = re.fullmatch(r"error: rank 1 on n2 did not join (\w+) #(\d+) \(rank 0 waited 12 s\); rank 1 was in "
-                         rf"spin_task\.py:{SPIN_LINE} __getitem__ \(while self\.reads > 24 .*\); every rank's stack: "
-                         r"(\S+)/rank\*\.stacks\.txt", last)
+        m = re.fullmatch(rf"error: rank 1 on n2 did not join (\w+) #(\d+) \(rank 0 waited {TIMEOUT_S} s\); "
+                         rf"rank 1 was in spin_task\.py:{SPIN_LINE} __getitem__ \(while self\.reads > 24 .*\); "
+                         r"every rank's stack: (\S+)/rank\*\.stacks\.txt", last)
         assert m, text[-3000:]
         assert m[1] in ("broadcast", "all_reduce") and int(m[2]) > 3 and m[3] == str(run / "logs"), last
     # Both ranks' stacks, every thread: rank 1's shows the loop and how the trainer got there.
@@ -105,18 +106,19 @@ def freeze_at_step_3(make_hosts, tmp_path: Path, rank: int):
     return run, la, lb, time.monotonic()
 
 
-# The most a frozen rank's job takes to end, from the freeze: the others' collective timeout (12 s), torchrun's
+# The most a frozen rank's job takes to end, from the freeze: the others' collective timeout (TIMEOUT_S), torchrun's
 # grace for the frozen rank before its SIGKILL (30 s in torch 2.14, whatever --stop-timeout says:
-# tests/test_elastic.py), and the launchers' own ending. Measured: 32 s (rank 1 frozen).
-ENDED_WITHIN_S = 12 + 30 + 18
+# tests/test_elastic.py), and the launchers' own ending. Measured: 32 s with a 12 s timeout (rank 1 frozen).
+ENDED_WITHIN_S = TIMEOUT_S + 30 + 18
 
 
 def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
     run, la, lb, stopped = freeze_at_step_3(make_hosts, tmp_path, 1)
     for rc, last, text in last_lines(la, lb):
         assert rc == 1, text[-3000:]
-        assert re.fullmatch(r"error: rank 1 on n2 did not join (broadcast|all_reduce) #\d+ \(rank 0 waited 12 s\); "
-                            r"rank 1 did not answer \(stopped or frozen\); every rank's stack: \S+", last), text[-3000:]
+        assert re.fullmatch(rf"error: rank 1 on n2 did not join (broadcast|all_reduce) #\d+ "
+                            rf"\(rank 0 waited {TIMEOUT_S} s\); rank 1 did not answer \(stopped or frozen\); "
+                            r"every rank's stack: \S+", last), text[-3000:]
     took = time.monotonic() - stopped
     print(f"both launchers ended {took:.1f} s after the SIGSTOP")
     assert took < ENDED_WITHIN_S, took
@@ -151,7 +153,7 @@ def test_a_frozen_rank_0_which_holds_the_store_is_named_and_the_job_still_ends(m
     rc, text = wait(*lb, ENDED_WITHIN_S)
     assert rc == 1, text[-3000:]
     assert re.fullmatch(r"error: rank 0 on n1 did not answer \(stopped or frozen, or its host was lost: it holds "
-                        r"the process group's store\); rank 1 waited 12 s in (broadcast|all_reduce) #\d+",
+                        rf"the process group's store\); rank 1 waited {TIMEOUT_S} s in (broadcast|all_reduce) #\d+",
                         text.strip().splitlines()[-1]), text[-3000:]
     print(f"n2's launcher ended {time.monotonic() - stopped:.1f} s after the SIGSTOP")
     rc, text = wait(*la, max(1.0, stopped + ENDED_WITHIN_S - time.monotonic()))
