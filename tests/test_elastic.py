@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
+from tests.conftest import PACED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
 from tests.procs import children, wait_for
 
 # Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
-LONG = [*TINY, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]
+LONG = [*TINY, *PACED, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: acted on mid-run
 
 
 def free_port() -> int:
@@ -112,7 +112,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_pa
     run_train(ref, *LONG[len(TINY):], nproc=2)
     proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
     rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
-    wait_for(lambda: reached(hit, 7), 120, "step 7")  # step 5's save is over; step 10's not begun
+    wait_for(lambda: reached(hit, 6), 120, "step 6")  # step 5's save is over; step 10 is 4 paced steps away
     os.kill(rank1, signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 0, err[-3000:]
@@ -152,7 +152,7 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
     # ignores --shutdown-timeout), which the hung rank waits out
     timeout_s, torchrun_grace_s = 5, 30
     proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1",
-                  overrides=[*TINY, "train.steps=16", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
+                  overrides=[*TINY, *PACED, "train.steps=16", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
         rank1 = wait_for(lambda: workers(tmp_path).get(1), 120, "rank 1")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, clean_env, metrics
+from tests.conftest import PACED, TINY, clean_env, metrics
 from tests.procs import wait_for, workers
 from tests.test_hosts import node, wait
 
@@ -99,7 +99,7 @@ def test_a_rank_stuck_in_python_is_named_with_its_host_collective_and_line(make_
 
 def freeze_at_step_3(make_hosts, tmp_path: Path, rank: int):
     """Both nodes' launches, rank `rank` frozen (SIGSTOP) once step 3 is logged; the monotonic time it froze."""
-    run, la, lb, ranks = start(make_hosts, tmp_path)
+    run, la, lb, ranks = start(make_hosts, tmp_path, *PACED)  # paced: frozen after step 3, long before step 40
     wait_for(lambda: (run / "metrics.jsonl").exists() and any(m.get("step") == 3 for m in metrics(run)), 120,
              "step 3")
     os.kill(ranks[rank], signal.SIGSTOP)

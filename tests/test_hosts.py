@@ -12,7 +12,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from tests.conftest import PY, ROOT, TINY, clean_env, summary, train_losses
+from tests.conftest import PACED, PY, ROOT, TINY, clean_env, summary, train_losses
 from tests.procs import wait_for
 
 
@@ -143,7 +143,7 @@ def test_losing_the_rendezvous_host_ends_the_others_in_one_line_and_a_restart_re
     run = tmp_path / "run"
     args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=node-a:29400", "--rdzv-id=lost",
             "--max-restarts=2"]
-    long = [*TINY, "train.steps=15", "checkpoint.every=5", "dist.timeout_s=20"]
+    long = [*TINY, *PACED, "train.steps=15", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: lost mid-run
     pa = a.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "a1.log")
     pb = b.popen(node(run, *args, overrides=long), clean_env(), tmp_path / "b1.log")
     deadline = time.monotonic() + 180
