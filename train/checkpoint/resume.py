@@ -74,7 +74,7 @@ RESUME_CASES = {
         ["test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
     "never": (
         "a fresh run from step 0; refused (exit 2) where the run directory holds a run: nothing is overwritten",
-        ["test_launcher.py::test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried"]),
+        ["test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
 }
 
 
