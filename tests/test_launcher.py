@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
+from tests.conftest import PACED, PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
 from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
@@ -195,7 +195,7 @@ def test_the_launcher_as_pid_1_stops_on_a_sigterm_before_torchrun_starts(tmp_pat
 def test_ctrl_c_to_make_train_local_s_whole_foreground_group_checkpoints(tmp_path):
     """Ctrl-C in a terminal: SIGINT to make, the launcher and torchrun at once (the workers, in sessions of
     their own, hear of it from torchrun and the launcher)."""
-    args = " ".join([*TINY, f"run.dir={tmp_path}", "train.steps=400"])
+    args = " ".join([*TINY, *PACED, f"run.dir={tmp_path}", "train.steps=400"])
     proc = subprocess.Popen(["make", "--no-print-directory", "train-local", "NPROC=2", f"ARGS={args}"], cwd=ROOT,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

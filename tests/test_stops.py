@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import (
     OBSERVED,
+    PACED,
     ROOT,
     clean_env,
     copy_run,
@@ -30,7 +31,10 @@ from tests.conftest import (
 from tests.procs import children, finish, kill_family, launch, logged_steps, wait_for, workers
 
 SEGMENTED = ["train.steps=30", "train.log_every=5"]  # stops land inside log windows of 5 steps
-SLOW_EVAL = ["task.image_size=32", "task.eval_samples=4096"]  # an evaluation of about 30 s on 2 CPU ranks
+# The built-in ResNet-18 (not TINY's small model), at 32 px: an evaluation of about 30 s on 2 CPU ranks.
+BUILT_IN = "task.name=train.tasks.image:ImageClassification"
+RESNET18 = [BUILT_IN, "task.image_size=32"]
+SLOW_EVAL = [*RESNET18, "task.eval_samples=4096"]
 
 
 def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
@@ -118,7 +122,7 @@ def test_stop_signals_to_the_launcher_and_to_one_rank_segments_one_run_bitwise_e
 def test_ctrl_c_to_python_m_train_saves_and_exits_75(tmp_path):
     """SIGINT straight to a worker (Ctrl-C in `python -m train`, or a terminal's Ctrl-C passed on by
     torchrun) is a stop like SIGTERM, not a KeyboardInterrupt."""
-    proc = subprocess.Popen(train_cmd(tmp_path, "train.steps=200"), cwd=ROOT, env=clean_env(),
+    proc = subprocess.Popen(train_cmd(tmp_path, *PACED, "train.steps=200"), cwd=ROOT, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
     proc.send_signal(signal.SIGINT)
@@ -140,7 +144,7 @@ def test_a_stop_during_a_slow_evaluation_does_not_wait_for_it(tmp_path):
     assert latest_state(tmp_path)["step"] == 2 and eval_steps(tmp_path) == []
     assert "stopped on SIGTERM at step 2, checkpoint saved (its evaluation runs after the resume)" in out
     # The relaunch evaluates step 2 before training on (a smaller evaluation set keeps this test short).
-    rc, out, err = finish(launch(tmp_path, "task.image_size=32", "train.steps=4", "train.eval_every=2"))
+    rc, out, err = finish(launch(tmp_path, *RESNET18, "train.steps=4", "train.eval_every=2"))
     assert rc == 0, err[-3000:]
     assert eval_steps(tmp_path) == [2, 4] and logged_steps(tmp_path) == [1, 2, 3, 4]
 
@@ -156,13 +160,13 @@ def test_a_stop_at_the_last_step_is_finished_by_the_relaunch(tmp_path):
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     assert latest_state(tmp_path)["step"] == 3 and not (tmp_path / "summary.json").exists()
-    rc, out, err = finish(launch(tmp_path, "task.image_size=32", *OBSERVED, "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, *RESNET18, *OBSERVED, "train.steps=3"))
     assert rc == 0, err[-3000:]
     assert "already complete" not in out and "done: 3 steps" in out
     s = summary(tmp_path)
     assert s["steps"] == 3 and s["wandb_run_id"] and (tmp_path / "report.png").stat().st_size > 0
     assert eval_steps(tmp_path) == [3] and logged_steps(tmp_path) == [1, 2, 3]
-    rc, out, err = finish(launch(tmp_path, "task.image_size=32", "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, *RESNET18, "train.steps=3"))
     assert rc == 0 and "already complete at step 3" in out
 
 
@@ -287,10 +291,11 @@ def test_a_stop_during_a_periodic_save_ends_with_that_save_within_one_step_and_o
     being written ends with that save: no second save, no step after it (an async save's next step is
     trained again after the resume), so the stop budget sized as one step plus one save holds. Every save
     takes SAVE_S seconds (rank 0 frozen with SIGSTOP while a checkpoint's temporary folder exists), as on a
-    slow shared file system; a TINY step takes well under a second."""
+    slow shared file system; a step takes well under a second."""
     budget = SAVE_S + 4  # one save, one step and a margin
     ckpts = tmp_path / "checkpoints"
-    proc = launch(tmp_path, "train.steps=500", "checkpoint.every=3", f"checkpoint.async={mode == 'async'}",
+    # ResNet-18's saves (90 MB, ~0.2 s): long enough to be caught in the act, which TINY's take milliseconds for.
+    proc = launch(tmp_path, BUILT_IN, "train.steps=500", "checkpoint.every=3", f"checkpoint.async={mode == 'async'}",
                   launcher=("--nproc-per-node=2", f"--stop-timeout={budget}"))
 
     def saving() -> set[str]:
