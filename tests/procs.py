@@ -133,3 +133,67 @@ def stop_at(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 1
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     return out
+
+
+def rank_processes(pid: int) -> dict[int, int]:
+    """{rank: pid} of the training processes under `pid` at any depth (torchrun's workers, or the launcher's
+    torchrun's), not the loader workers and fork servers they start (which inherit RANK). {} for a single
+    `python -m train`, which is its own rank 0."""
+    found, todo = {}, [pid]
+    while todo:
+        for child in children(todo.pop()):
+            if "RANK" in (env := environ(child)):
+                found[int(env["RANK"])] = child
+            else:
+                todo.append(child)
+    return found
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP takes effect a moment after it is sent)."""
+    return _status(pid).get("State", "").startswith("T")
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for a process (its own and its threads'), as a mask: bit n-1 for signal n."""
+    st = _status(pid)
+    return int(st.get("SigPnd", "0"), 16) | int(st.get("ShdPnd", "0"), 16)
+
+
+def signal_at_step(proc: subprocess.Popen, run_dir: Path, step: int, sig: int = signal.SIGTERM,
+                   ranks: int | None = None, timeout: float = 180) -> int:
+    """Send `sig` to a launch (`proc`: the launcher, torchrun, or the single training process) once its metrics
+    log `step`, such that its ranks take it within the step they are in: they are paused (SIGSTOP) from before
+    the signal is sent until each holds it pending (through the launcher and torchrun the signal may take its
+    time: no step passes meanwhile), then go on (SIGCONT). A run with steps left after the one logged at the
+    pause can thus never finish first, however loaded the machine: the race is counted in steps, not seconds.
+    `ranks`: how many training processes run under `proc`; None where `proc` is the one training process.
+    Returns the last step logged at the pause; a stop then lands at that step or the next."""
+    wait_for(lambda: proc.poll() is not None or any(st >= step for st in logged_steps(run_dir)), timeout,
+             f"step {step}")
+    assert proc.poll() is None, f"the launch ended (exit {proc.returncode}) before step {step} was logged"
+    # looked up once training runs (a launcher's doctor runs workers of its own before)
+    pids = [proc.pid] if ranks is None else list(
+        wait_for(lambda: r if len(r := rank_processes(proc.pid)) == ranks else None, 10, f"{ranks} ranks").values())
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # Only a process already stopped keeps a signal pending: one on its way to stopping may still take it
+        # (the kernel hands out the lower-numbered signal first) and run its handler before it stops.
+        wait_for(lambda: all(is_stopped(pid) for pid in pids), 60, "the ranks to stop")
+        paused_at = max(logged_steps(run_dir))
+        proc.send_signal(sig)
+        bit = 1 << (int(sig) - 1)
+        wait_for(lambda: all(_pending(pid) & bit for pid in pids), 60, f"{signal.Signals(sig).name} at every rank")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return paused_at

@@ -24,7 +24,7 @@ from tests.conftest import (
     run_train,
     summary,
 )
-from tests.procs import finish, logged_steps, stop_at, wait_for
+from tests.procs import finish, logged_steps, signal_at_step, wait_for
 from train.checkpoint import dcp_io
 
 # The language model at its smallest (nano: 2 blocks of width 32), in fp32, windows of 32 tokens, 2 ranks x 2
@@ -53,16 +53,36 @@ def run_lm(run_dir: Path, *overrides: str, expect: int = 0, launcher: bool = Fal
     return proc
 
 
+AC = ["dist.strategy=fsdp", "train.activation_checkpointing=true"]
+
+
+def stop_and_resume_ac(run: Path) -> tuple[int, int]:
+    """FSDP with activation checkpointing, stopped by SIGTERM to the launcher once step 5 is logged (the ranks
+    take it within the step they are in: procs.signal_at_step) and relaunched to its end. Returns (the step
+    logged at the signal, the step of the checkpoint the stop saved)."""
+    proc = subprocess.Popen(lm_cmd(run, *AC, launcher=True), cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    paused_at = signal_at_step(proc, run, 5, ranks=2)
+    rc, _, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    stopped = latest_state(run)["step"]
+    run_lm(run, *AC, launcher=True)
+    return paused_at, stopped
+
+
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory):
-    """The same 20 steps under DDP, FSDP and FSDP with activation checkpointing, each made once, on demand."""
+    """The same 20 steps under DDP, FSDP, and FSDP with activation checkpointing stopped at step 5 or 6 and
+    resumed (stop_and_resume_ac), each made once, on demand."""
     root, made = tmp_path_factory.mktemp("fsdp_runs"), {}
 
-    def get(name: str) -> tuple[Path, str]:
+    def get(name: str) -> tuple[Path, str | tuple[int, int]]:
         if name not in made:
-            extra = {"ddp": [], "fsdp": ["dist.strategy=fsdp", *TRACED],
-                     "fsdp_ac": ["dist.strategy=fsdp", "train.activation_checkpointing=true"]}[name]
-            made[name] = (root / name, run_lm(root / name, *extra).stdout)
+            if name == "fsdp_ac_resumed":
+                made[name] = (root / name, stop_and_resume_ac(root / name))
+            else:
+                extra = {"ddp": [], "fsdp": ["dist.strategy=fsdp", *TRACED]}[name]
+                made[name] = (root / name, run_lm(root / name, *extra).stdout)
         return made[name]
 
     return get
@@ -99,8 +119,10 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(lm_runs):
 
 
 def test_activation_checkpointing_gives_the_same_losses(lm_runs):
-    """Bitwise: the recomputed forward replays the RNG (the same dropout masks) and does the same arithmetic."""
-    (plain, _), (ac, _) = lm_runs("fsdp"), lm_runs("fsdp_ac")
+    """Bitwise: the recomputed forward replays the RNG (the same dropout masks) and does the same arithmetic. The
+    run with it is the one stopped and resumed (test_stop_and_resume_under_fsdp_is_bitwise): every step's loss
+    and the evaluation are still those of the plain, uninterrupted run."""
+    (plain, _), (ac, _) = lm_runs("fsdp"), lm_runs("fsdp_ac_resumed")
     assert losses(ac) == losses(plain) and summary(ac)["eval_loss"] == summary(plain)["eval_loss"]
 
 
@@ -147,16 +169,14 @@ def test_the_flop_count_of_a_sharded_model_is_the_whole_models(monkeypatch):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_stop_and_resume_under_fsdp_is_bitwise(tmp_path, lm_runs):
+def test_stop_and_resume_under_fsdp_is_bitwise(lm_runs):
     """SIGTERM to the launcher mid-run: the ranks save the gathered model and optimizer state and exit 75; the
-    relaunch loads them into the shards and ends where the uninterrupted FSDP run ends, bit for bit."""
-    ref, run = lm_runs("fsdp_ac")[0], tmp_path / "run"
-    opts = ["dist.strategy=fsdp", "train.activation_checkpointing=true"]
-    proc = subprocess.Popen(lm_cmd(run, *opts, launcher=True), cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stop_at(proc, run, 5)
-    assert 5 <= latest_state(run)["step"] < 20
-    run_lm(run, *opts, launcher=True)
+    relaunch loads them into the shards and ends where the uninterrupted FSDP run ends, bit for bit (the run
+    stopped recomputes its blocks, activation checkpointing: the same arithmetic,
+    test_activation_checkpointing_gives_the_same_losses)."""
+    ref = lm_runs("fsdp")[0]
+    run, (paused_at, stopped) = lm_runs("fsdp_ac_resumed")
+    assert 5 <= paused_at <= stopped <= paused_at + 1 < 20, (paused_at, stopped)
     assert_same_training(ref, run)
     assert summary(run)["eval_loss"] == summary(ref)["eval_loss"]
 

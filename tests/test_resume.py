@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,11 +31,13 @@ from tests.conftest import (
     train_cmd,
     train_losses,
 )
+from tests.procs import is_stopped, signal_at_step, wait_for
 from train.checkpoint import dcp_io, resume, storage
 from train.errors import EXIT_REQUEUE
 
-# 40 steps of 16 over 256 samples: 16 steps an epoch, so step 21 is 5 steps into the second epoch.
-LONG = ["train.steps=40"]
+# 18 steps of 16 over 128 samples: 8 steps an epoch. A stop at step 9 (signal_at_step: at the step logged when
+# the ranks were paused, or the next) is mid-epoch in the second epoch, and the resumed run crosses into the third.
+LONG = ["train.steps=18", "task.train_samples=128"]
 
 
 def start(run_dir, *overrides, nproc=1, entry=("-m", "train")):
@@ -66,72 +69,77 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact(tmp_path):
     run_train(ref, *LONG, nproc=2, entry=RNG_DRAWS)
 
     proc = start(cut, *LONG, nproc=2, entry=RNG_DRAWS)
-    wait_for_step(cut, 21, proc)
-    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which passes it on to the workers
+    paused_at = signal_at_step(proc, cut, 9, ranks=2)  # to the torchrun agent, which passes it on to the workers
     out, _ = proc.communicate(timeout=30)  # inside torchrun's 30 s grace period
     stopped_at = latest_state(cut)["step"]
-    assert 21 <= stopped_at < 40 and stopped_at % 16 != 0, out  # mid-run, mid-epoch
-    assert "stopped on SIGTERM" in out
+    assert paused_at <= stopped_at <= paused_at + 1, (paused_at, stopped_at, out)
+    assert 9 <= stopped_at < 16 and stopped_at % 8 != 0, out  # mid-run, mid-epoch (the second)
+    assert "stopped on SIGTERM" in out, out
     assert not (cut / "summary.json").exists()
 
     run_train(cut, *LONG, nproc=2, entry=RNG_DRAWS)  # the same command again continues the run
     assert_same_training(ref, cut)  # weights, optimizer state and losses, step for step, bit for bit
-    assert sorted(train_losses(cut)) == list(range(1, 41))
-    assert summary(cut)["steps"] == 40
+    assert sorted(train_losses(cut)) == list(range(1, 19))
+    assert summary(cut)["steps"] == 18
 
 
 def test_configured_signal_stops_a_single_process_with_the_requeue_code(tmp_path):
-    proc = start(tmp_path, "train.steps=16", "checkpoint.signal=SIGUSR1")
-    wait_for_step(tmp_path, 3, proc)
-    proc.send_signal(signal.SIGUSR1)
+    proc = start(tmp_path, "train.steps=8", "checkpoint.signal=SIGUSR1")
+    paused_at = signal_at_step(proc, tmp_path, 3, sig=signal.SIGUSR1)
     time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)  # twice: still one clean stop
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_REQUEUE, out
     step = latest_state(tmp_path)["step"]
-    assert step >= 3 and "stopped on SIGUSR1" in out
-    run_train(tmp_path, "train.steps=16")
-    assert sorted(train_losses(tmp_path)) == list(range(1, 17))
+    assert 3 <= paused_at <= step <= paused_at + 1 < 8 and "stopped on SIGUSR1" in out, (paused_at, step, out)
+    run_train(tmp_path, "train.steps=8")
+    assert sorted(train_losses(tmp_path)) == list(range(1, 9))
 
 
 def test_sigkill_during_a_save_leaves_a_loadable_latest(tmp_path):
-    """Save every step of a ResNet-50 (a ~200 MB checkpoint) and SIGKILL while a temporary file exists."""
+    """Save every step and SIGKILL while a save's temporary file exists: the process is paused (SIGSTOP) as soon
+    as one is seen, and killed only if it is still there, so the kill lands mid-save every time."""
     ckpts = tmp_path / "checkpoints"
-    for _attempt in range(5):
-        proc = start(tmp_path, "task.model=resnet50", "checkpoint.every=1", "train.steps=200")
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if (ckpts / "latest").exists() and any(".tmp" in p.name for p in ckpts.iterdir()):
+    proc = start(tmp_path, "checkpoint.every=1", "train.steps=200")
+    deadline, killed = time.time() + 120, False
+    while time.time() < deadline and proc.poll() is None and not killed:
+        if (ckpts / "latest").exists() and any(".tmp" in p.name for p in ckpts.iterdir()):
+            proc.send_signal(signal.SIGSTOP)
+            wait_for(lambda: is_stopped(proc.pid), 60, "the run to stop")
+            # frozen: a temporary file there now is one of a save in progress (it may have been renamed between
+            # the look and the pause: then go on and look again)
+            if any(".tmp" in p.name for p in ckpts.iterdir()):
                 proc.kill()
-                break
-            time.sleep(0.005)
-        proc.wait()
-        # the kill landed mid-save only if the save's temporary file is still there (it may have been renamed
-        # between the look and the kill: then try again)
-        if proc.returncode == -signal.SIGKILL and any(".tmp" in p.name for p in ckpts.iterdir()):
-            break
-    assert proc.returncode == -signal.SIGKILL
-    assert any(".tmp" in p.name for p in ckpts.iterdir()), "the kill never landed during a save"
+                killed = True
+            else:
+                proc.send_signal(signal.SIGCONT)
+        time.sleep(0.005)
+    proc.wait()
+    assert killed and proc.returncode == -signal.SIGKILL, "the kill never landed during a save"
+    assert any(".tmp" in p.name for p in ckpts.iterdir())
     name = (ckpts / "latest").read_text().strip()
     state = dcp_io.read_state(ckpts / name)  # verifies the CRCs, loads with weights_only
     assert state["step"] >= 1
-    resumed = run_train(tmp_path, "task.model=resnet50", "checkpoint.every=0", f"train.steps={state['step'] + 1}")
+    resumed = run_train(tmp_path, "checkpoint.every=0", f"train.steps={state['step'] + 1}")
     assert f"resumed from {ckpts / name}" in resumed.stdout
     assert not any(".tmp" in p.name for p in ckpts.iterdir())  # the dead save's leftovers are gone
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_latest_falls_back_to_the_previous(tmp_path, damage, finished_run):
+def test_corrupt_latest_falls_back_to_the_previous(tmp_path, finished_run):
+    """A tensor file cut short (the newest checkpoint, step 6) and one with a flipped byte (step 4) both fail their
+    checksum: each is named and skipped for the one before."""
     copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
     ckpts = tmp_path / "checkpoints"
-    latest = ckpts / "step_00000006" / "__0_0.distcp"
-    raw = latest.read_bytes()
-    flipped = raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:]
-    latest.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else flipped)
+    truncated, flipped = (ckpts / f"step_{step:08d}" / "__0_0.distcp" for step in (6, 4))
+    raw = truncated.read_bytes()
+    truncated.write_bytes(raw[: len(raw) // 2])
+    raw = flipped.read_bytes()
+    flipped.write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
     proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8")
-    warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "step_00000006" in line]
-    assert any("checksum" in w and "trying the previous one" in w for w in warnings), proc.stdout + proc.stderr
-    assert f"resumed from {ckpts / 'step_00000004'} at step 4" in proc.stdout
+    for name in ("step_00000006", "step_00000004"):
+        warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if name in line]
+        assert any("checksum" in w and "trying the previous one" in w for w in warnings), proc.stdout + proc.stderr
+    assert f"resumed from {ckpts / 'step_00000002'} at step 2" in proc.stdout
     assert summary(tmp_path)["steps"] == 8
 
 
@@ -154,33 +162,35 @@ def _forge(path, payload: bytes) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("content,name", [("not a checkpoint", "__0_0.distcp"),
-                                          ("a pickle that runs code", ".metadata"),
-                                          ("a pickle that runs code", "trainer.pt")])
-def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed(tmp_path, content, name,
-                                                                                           finished_run):
-    """DCP's .metadata is a pickle (unpickled here with a whitelist), trainer.pt a torch.save (weights_only)."""
+def test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed(tmp_path, finished_run):
+    """DCP's .metadata is a pickle (unpickled here with a whitelist), trainer.pt a torch.save (weights_only). Each
+    way of not loading is forged into one of the run's three newest checkpoints, whose manifests give the forged
+    files their size and CRC: random bytes as a tensor file (step 4), a pickle that runs code as .metadata (step 6)
+    and as trainer.pt (step 8, a copy of step 6)."""
     copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
     ckpts, marker = tmp_path / "checkpoints", tmp_path / "pwned"
-    if content == "not a checkpoint":
-        payload = os.urandom(4096)
-    elif name == ".metadata":
-        payload = pickle.dumps(_Payload(marker))
-    else:
-        buf = io.BytesIO()
-        torch.save({"rest": _Payload(marker), "step": 6}, buf)
-        payload = buf.getvalue()
-    _forge(ckpts / "step_00000006" / name, payload)
+    shutil.copytree(ckpts / "step_00000006", ckpts / "step_00000008")
+    (ckpts / "latest").write_text("step_00000008\n")
+    buf = io.BytesIO()
+    torch.save({"rest": _Payload(marker), "step": 8}, buf)
+    forged = {4: ("__0_0.distcp", os.urandom(4096)), 6: (".metadata", pickle.dumps(_Payload(marker))),
+              8: ("trainer.pt", buf.getvalue())}
+    for step, (name, payload) in forged.items():
+        _forge(ckpts / f"step_{step:08d}" / name, payload)
     # asked for by path, a checkpoint that does not load is a usage error in one line
-    proc = run_train(tmp_path / "branch", f"resume={ckpts / 'step_00000006'}", expect=2)
-    assert f"no loadable checkpoint at {ckpts / 'step_00000006'}" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "branch" / "metrics.jsonl").exists()
-    # found by resume=auto, it is skipped for the one before
+    for step in forged:
+        branch, path = tmp_path / f"branch{step}", ckpts / f"step_{step:08d}"
+        proc = run_train(branch, f"resume={path}", expect=2)
+        assert f"no loadable checkpoint at {path}" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not (branch / "metrics.jsonl").exists()
+    # found by resume=auto, each is skipped for the one before
     proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8")
     out = proc.stdout + proc.stderr
-    assert "step_00000006 does not load" in out and "trying the previous one" in out, out
-    assert f"resumed from {ckpts / 'step_00000004'} at step 4" in proc.stdout
-    assert not marker.exists()  # never unpickled with code: the payload never ran
+    for step in forged:
+        skipped = [line for line in out.splitlines() if f"step_{step:08d} does not load" in line]
+        assert len(skipped) == 1 and "trying the previous one" in skipped[0], out
+    assert f"resumed from {ckpts / 'step_00000002'} at step 2" in proc.stdout
+    assert not marker.exists()  # never unpickled with code: the payloads never ran
 
 
 def _files(run_dir) -> dict:
@@ -300,24 +310,27 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on_at_once(tmp_
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(tmp_path, mode):
+def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(tmp_path, mode, finished_two_ranks):
     """A save that cannot be written (here a real write error: files past 10 MiB refused, RLIMIT_FSIZE, as a
     full disk refuses them) ends the run with one line per rank naming the error and what to do; the
     checkpoints before it stay complete and `latest`, and the same command relaunched resumes from them."""
-    run_train(tmp_path, "train.steps=4", "checkpoint.every=2", nproc=2)
-    cmd = train_cmd(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.async={mode == 'async'}", nproc=2)
+    copy_run(finished_two_ranks, tmp_path)  # 2 ranks, checkpoints at steps 2, 4 and 6
+    args = ["train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2",
+            f"checkpoint.async={mode == 'async'}"]
     limit = 10 << 20  # each rank's DCP files here are ~22 MiB; the logs stay far below
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(train_cmd(tmp_path, *args, nproc=2), cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=300,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert (f"[rank {rank}] error: a checkpoint could not be written; the ones before it are intact" in proc.stderr
                 and "OSError: [Errno 27] File too large)" in proc.stderr), proc.stderr[-3000:]
     ckpts = tmp_path / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000004"
-    assert [p.name for p in storage.complete_checkpoints(ckpts)] == ["step_00000004", "step_00000002"]
-    proc = run_train(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.async={mode == 'async'}", nproc=2)
-    assert "at step 4" in proc.stdout and summary(tmp_path)["steps"] == 8
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert [p.name for p in storage.complete_checkpoints(ckpts)] == ["step_00000006", "step_00000004",
+                                                                     "step_00000002"]
+    proc = run_train(tmp_path, *args, nproc=2)  # the same command again
+    assert "at step 6" in proc.stdout and summary(tmp_path)["steps"] == 10
 
 
 def test_resume_from_a_path(tmp_path, finished_run):
