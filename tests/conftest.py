@@ -32,6 +32,7 @@ RESNET = [
 # The same with a ResNet of 0.3M parameters (tests/small_task.py): what most tests train. RESNET (the built-in
 # ResNet-18) is for the tests about that model itself and for runs inside the image (which holds no tests/).
 SMALL_TASK = f"task.name={ROOT / 'tests' / 'small_task.py'}:SmallImages"
+BUILT_IN = "task.name=train.tasks.image:ImageClassification"  # after TINY: ResNet-18 again, at TINY's sizes
 TINY = [*RESNET, SMALL_TASK]
 # A step of at least 0.15 s of wall time (about a ResNet-18 step's), a sleep that takes no CPU: for the runs a
 # test acts on mid-way (tests/small_task.py).

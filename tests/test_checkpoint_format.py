@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    BUILT_IN,
     GROUPNORM,
     PY,
     ROOT,
@@ -48,7 +49,7 @@ def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint
     """Rank 1 is killed while a checkpoint folder is being written (rank 1's share in it or not yet): the
     dead save never counts, `latest` names the one before, and the relaunch resumes from it."""
     ckpts = tmp_path / "checkpoints"
-    args = ["checkpoint.every=1", "checkpoint.keep=2", "train.steps=200"]
+    args = [BUILT_IN, "checkpoint.every=1", "checkpoint.keep=2", "train.steps=200"]  # ResNet-18's 90 MB saves
     proc = subprocess.Popen(train_cmd(tmp_path, *args, nproc=2), cwd=ROOT, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline, killed = time.time() + 120, None
@@ -72,7 +73,7 @@ def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint
     name = (ckpts / "latest").read_text().strip()
     assert int(name[5:]) < int(killed.name[6:14]), (name, killed.name)  # `latest` names the save before
     step = latest_state(tmp_path)["step"]  # checks every file's CRC, loads with weights_only
-    resumed = run_train(tmp_path, "checkpoint.every=0", f"train.steps={step + 1}", nproc=2)
+    resumed = run_train(tmp_path, BUILT_IN, "checkpoint.every=0", f"train.steps={step + 1}", nproc=2)
     assert f"resumed from {ckpts / name} at step {step}" in resumed.stdout, resumed.stdout
     assert not list(ckpts.glob(".*.tmp*"))  # the dead save's leftovers are gone
     assert summary(tmp_path)["steps"] == step + 1

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    BUILT_IN,
     OBSERVED,
     PACED,
     ROOT,
@@ -32,7 +33,6 @@ from tests.procs import children, finish, kill_family, launch, logged_steps, wai
 
 SEGMENTED = ["train.steps=30", "train.log_every=5"]  # stops land inside log windows of 5 steps
 # The built-in ResNet-18 (not TINY's small model), at 32 px: an evaluation of about 30 s on 2 CPU ranks.
-BUILT_IN = "task.name=train.tasks.image:ImageClassification"
 RESNET18 = [BUILT_IN, "task.image_size=32"]
 SLOW_EVAL = [*RESNET18, "task.eval_samples=4096"]
 
