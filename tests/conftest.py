@@ -29,8 +29,9 @@ RESNET = [
     "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
     "train.steps=6", "checkpoint.every=0", "optim.warmup_steps=2", "log.wandb.mode=disabled", "log.report=false",
 ]
-# The same with a ResNet of 0.3M parameters (tests/small_task.py): what most tests train. RESNET (the built-in
-# ResNet-18) is for the tests about that model itself and for runs inside the image (which holds no tests/).
+# The same with the ResNet at a quarter of the width, 0.7M parameters (tests/small_task.py): what most tests
+# train. RESNET (the built-in ResNet-18) is for the tests about that model itself and for runs inside the image
+# (which holds no tests/); BUILT_IN after TINY brings it back where a test needs its size (slow saves).
 SMALL_TASK = f"task.name={ROOT / 'tests' / 'small_task.py'}:SmallImages"
 BUILT_IN = "task.name=train.tasks.image:ImageClassification"  # after TINY: ResNet-18 again, at TINY's sizes
 TINY = [*RESNET, SMALL_TASK]
