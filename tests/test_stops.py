@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import (
     BUILT_IN,
     OBSERVED,
     PACED,
     ROOT,
+    assert_same_state,
     clean_env,
     copy_run,
     latest_state,
@@ -43,16 +43,6 @@ def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
 
 def eval_steps(run_dir: Path) -> list[int]:
     return [m["step"] for m in metrics(run_dir) if "eval_loss" in m]
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    for part in ("model",):
-        assert a[part].keys() == b[part].keys()
-        for k in a[part]:
-            assert torch.equal(a[part][k], b[part][k]), f"{part}.{k} differs"
-    for i, st in a["optimizer"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"optimizer state {i}.{k} differs"
 
 
 @pytest.fixture(scope="module")
