@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import PACED, PY, ROOT, TINY, clean_env, metrics
+from tests.conftest import PY, ROOT, TINY, clean_env, metrics, pacing
 
 
 def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",), env: dict | None = None,
@@ -19,9 +19,8 @@ def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",), env
     session of its own). `prefix` goes before the command (e.g. nohup). `paced`: each step lasts at least
     PACED's sleep, so that a test acting on the run mid-way (a signal after step N) acts before its end (TINY's
     task only: an override of task.name brings a task of its own, paced by its own size)."""
-    paced = paced and not any(o.startswith("task.name=") for o in overrides)
     cmd = [*prefix, PY, "-m", "train.launch", *launcher, "--", "--config", "configs/default.yaml", *TINY,
-           *(PACED if paced else ()), f"run.dir={run_dir}", *overrides]
+           *(pacing(overrides) if paced else ()), f"run.dir={run_dir}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

@@ -19,7 +19,6 @@ import torch
 
 from tests.conftest import (
     BUILT_IN,
-    PACED,
     RNG_DRAWS,
     ROOT,
     after_import,
@@ -28,6 +27,7 @@ from tests.conftest import (
     copy_run,
     latest_state,
     metrics,
+    pacing,
     run_train,
     summary,
     train_cmd,
@@ -44,8 +44,7 @@ LONG = ["train.steps=18", "task.train_samples=128"]
 
 def start(run_dir, *overrides, nproc=1, entry=("-m", "train")):
     """A run the test acts on mid-way: paced (PACED) unless it trains a task of its own."""
-    paced = [] if any(o.startswith("task.name=") for o in overrides) else PACED
-    return subprocess.Popen(train_cmd(run_dir, *paced, *overrides, nproc=nproc, entry=entry), cwd=ROOT,
+    return subprocess.Popen(train_cmd(run_dir, *pacing(overrides), *overrides, nproc=nproc, entry=entry), cwd=ROOT,
                             env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
