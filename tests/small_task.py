@@ -14,13 +14,32 @@ import time
 from dataclasses import dataclass
 
 import torch.nn as nn
-from torchvision.models.resnet import BasicBlock
 
 from train.config import ConfigError
 from train.tasks.image import ImageClassification
 
 WIDTHS = (16, 32, 64, 128)  # torchvision's are 64, 128, 256, 512
 BLOCKS = {"resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}  # task.model: torchvision's BasicBlocks per stage
+
+
+class BasicBlock(nn.Module):
+    """torchvision.models.resnet.BasicBlock, the same modules under the same names: written out here because
+    importing torchvision costs each process about a second of CPU (it imports torch._dynamo), and the suite
+    starts hundreds of processes that train this model."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
+                 norm_layer=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn1 = norm_layer(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn2 = norm_layer(planes)
+        self.downsample = downsample
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
 class SmallResNet(nn.Module):

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from train.checkpoint.dcp_io import (
     ASYNC_TYPE,
     BackgroundWriter,
+    ChecksummedFiles,
     Reader,
     buffers_copied,
     error_text,
@@ -58,7 +59,6 @@ from train.checkpoint.storage import (
     FORMAT,
     NAME,
     TRAINER,
-    ChecksummedFiles,
     SaveError,
     complete_checkpoints,
     fsync_dir,

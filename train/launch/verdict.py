@@ -82,7 +82,7 @@ class History:
         self.start = self._step()
 
     def _step(self) -> int:
-        from train.checkpoint.storage import NAME, complete_checkpoints  # imports torch, as torchrun does anyway
+        from train.checkpoint.storage import NAME, complete_checkpoints
 
         found = complete_checkpoints(self.checkpoints)
         return int(NAME.match(found[0].name).group(1)) if found else 0

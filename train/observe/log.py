@@ -8,6 +8,7 @@ log file under <run_dir>/logs/, and the other ranks print only warnings and erro
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import netrc
@@ -285,13 +286,20 @@ class RunLog:
 
 
 def versions() -> dict:
-    import torchvision
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+    v = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": _version("torchvision"),
          "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None}
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return v
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version, from its metadata: importing torchvision for its __version__ would cost
+    rank 0 about a second of CPU (it imports torch._dynamo) in a run whose task (a language model) never uses it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def git_commit() -> str:
