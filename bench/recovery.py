@@ -90,7 +90,10 @@ def once(run_dir: Path, nproc: int, model: str, smoke: bool, extra: list[str]) -
     _, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed: {err[-2000:]}")
-    t_detect = min(glog_time(x) for x in err.splitlines() if "closing signal SIGTERM" in x)
+    # torchrun saw the failure: it signals the ranks still running ("closing signal"), then names the failed
+    # one ("failed (exitcode"); only that line where rank 0 ended first on its own (gloo's connection reset).
+    t_detect = min(glog_time(x) for x in err.splitlines()
+                   if re.match(r"[IWE]\d{4} ", x) and ("closing signal SIGTERM" in x or "failed (exitcode" in x))
     resumed = next(x for x in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "resumed from" in x)
     stamp, load_s = resumed[:23], float(re.search(r" in ([\d.]+) s$", resumed).group(1))
     t_loaded = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
