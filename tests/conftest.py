@@ -192,44 +192,12 @@ def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
 
-# Each file's seconds of test time in a fresh-clone `make test` (junit; 07ac3fe, 2 cores): the files are handed
-# out longest first, so that the short ones at the end let both workers finish together. In name order a
-# 200 s file came last and left one worker idle for 200 s. A file missing here counts as long (it runs early);
-# a figure gone stale costs only that evenness.
-FILE_SECONDS = {
-    "elastic": 311, "stops": 239, "container": 208, "slurm": 207, "resume": 181, "bench": 167, "readme": 154,
-    "launcher": 147, "hangs": 134, "fsdp": 112, "checkpoint_format": 108, "collate": 107, "observability": 105,
-    "pretrained": 89, "hosts": 79, "loader_workers": 73, "doctor": 72, "tasks": 67, "k8s": 66, "hf_task": 66,
-    "promises": 65, "data": 57, "compat": 50, "training": 46, "lm_train": 44, "golden": 37, "devices": 22,
-    "config": 19, "lm": 14, "imports": 0,
-}
-# The files with tests on the project's image wait until this much test time has gone before them (about 15
-# minutes of the two workers): the image's build from cold (tests/engine.py, about 10 minutes here) runs in
-# the background meanwhile.
-IMAGE_AFTER_S = 1800
-
-
-def _file_order(paths: set[Path], image_files: set[Path]) -> dict[Path, int]:
-    def seconds(path: Path) -> int:
-        return FILE_SECONDS.get(path.stem.removeprefix("test_"), 10**6)
-
-    order, before = [], 0
-    waiting = sorted(image_files, key=seconds, reverse=True)
-    for path in sorted(paths - image_files, key=lambda p: (-seconds(p), p.name)):
-        if before >= IMAGE_AFTER_S:
-            order, waiting = order + waiting, []
-        order.append(path)
-        before += seconds(path)
-    return {path: i for i, path in enumerate(order + waiting)}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The files in _file_order's order (the image's after IMAGE_AFTER_S of the others), each file's tests in
-    their order."""
+    """The files with tests on the project's image run last: its build (minutes from cold) runs in the
+    background while the others run (tests/engine.py)."""
     image_files = {item.path for item in items if _uses_image(item)}
-    rank = _file_order({item.path for item in items}, image_files)
-    items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order
+    items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
 
 
 def pytest_collection_finish(session):
