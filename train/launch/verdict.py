@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from train import config
+from train.checkpoint.storage import NAME, complete_checkpoints
 from train.errors import EXIT_REQUEUE, EXIT_USAGE
 from train.launch.rendezvous import split_endpoint
 from train.launch.signals import SAID, Signals, Stopped, say
@@ -82,8 +83,6 @@ class History:
         self.start = self._step()
 
     def _step(self) -> int:
-        from train.checkpoint.storage import NAME, complete_checkpoints
-
         found = complete_checkpoints(self.checkpoints)
         return int(NAME.match(found[0].name).group(1)) if found else 0
 
