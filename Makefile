@@ -59,7 +59,8 @@ bench: dev
 clean-runs:
 	rm -rf runs
 
-# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_container.py builds and runs them).
+# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_container.py and test_compose.py
+# build and run them).
 #   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
 #   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)
 #   make compose-down           remove its containers (the runs volume with the checkpoints stays)

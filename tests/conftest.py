@@ -183,8 +183,8 @@ def assert_trained_alike(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0
 
 
 # `make test` runs the files two at a time (pytest-xdist's --dist loadfile, one per core): a file's tests
-# run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster,
-# test_container's Docker engine and compose project) never shares it, and the tests that mostly wait (stop
+# run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster) never
+# shares it, and the tests that mostly wait (stop
 # budgets, restarts, rendezvous and SLURM's scheduling: a third of the CPU idle when they ran alone) overlap
 # the ones that compute. Real hosts carry random names, addresses and bridges (tests/hosts.py), so two files
 # can use them at once.
@@ -195,7 +195,9 @@ def _uses_image(item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The files with tests on the project's image run last: its build (minutes from cold) runs in the
-    background while the others run (tests/engine.py)."""
+    background while the others run (tests/engine.py). There are two (test_compose, test_container: their
+    containers, volumes and compose projects have names of their own), so that at the end both workers run
+    the image's tests, rather than one alone for minutes while the other has nothing left."""
     image_files = {item.path for item in items if _uses_image(item)}
     items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
 

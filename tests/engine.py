@@ -45,6 +45,22 @@ def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subpro
     return proc
 
 
+def volume_path(name: str) -> Path:
+    """Where a named volume's files are on this machine (the tests run as root next to the engine)."""
+    return Path(docker("volume", "inspect", "-f", "{{.Mountpoint}}", name).stdout.strip())
+
+
+def state(container: str) -> tuple[str, int, int]:
+    out = docker("inspect", "-f", "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}", container).stdout
+    status, code, restarts = out.split()
+    return status, int(code), int(restarts)
+
+
+def logs(container: str) -> str:
+    proc = docker("logs", "--tail", "60", container, check=False)
+    return proc.stdout + proc.stderr
+
+
 def engine_problem() -> str | None:
     """Why no engine can be used here, or None."""
     if not shutil.which("docker"):

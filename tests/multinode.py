@@ -7,9 +7,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,15 @@ def required(what: str, reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} is required under CI: {reason}")
     pytest.skip(f"{what}: {reason}")
+
+
+def tool(name: str) -> str:
+    """A command-line tool the dev requirements install (beside this interpreter, else on PATH)."""
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        required(name, "not installed: make dev (requirements-dev.txt) installs it")
+    return found
 
 
 def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
