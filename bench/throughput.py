@@ -38,7 +38,7 @@ def main() -> None:
     if args.smoke:
         common = ["train.steps=4", "train.eval_every=0", "checkpoint.every=0", "train.log_every=2",
                   "task.image_size=16", "task.train_samples=256", "task.eval_samples=32",
-                  "train.global_batch_size=16", "train.micro_batch_size=8", *SMOKE_QUIET]
+                  "train.global_batch_size=16", "train.micro_batch_size=8", "data.num_workers=0", *SMOKE_QUIET]
         per_class = 8
     figures = {}
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as d:
