@@ -148,7 +148,8 @@ def rank_processes(pid: int) -> dict[int, int]:
     return found
 
 
-def _status(pid: int) -> dict[str, str]:
+def status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as a mapping ({} once the process is gone)."""
     try:
         return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                     if ":\t" in line)
@@ -158,12 +159,12 @@ def _status(pid: int) -> dict[str, str]:
 
 def is_stopped(pid: int) -> bool:
     """Stopped by a signal (SIGSTOP takes effect a moment after it is sent)."""
-    return _status(pid).get("State", "").startswith("T")
+    return status(pid).get("State", "").startswith("T")
 
 
 def _pending(pid: int) -> int:
     """The signals pending for a process (its own and its threads'), as a mask: bit n-1 for signal n."""
-    st = _status(pid)
+    st = status(pid)
     return int(st.get("SigPnd", "0"), 16) | int(st.get("ShdPnd", "0"), 16)
 
 

@@ -13,19 +13,24 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
-from tests.conftest import PACED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary, train_losses
-from tests.procs import children, wait_for
+from tests.conftest import (
+    PACED,
+    PY,
+    ROOT,
+    TINY,
+    assert_same_state,
+    clean_env,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_losses,
+)
+from tests.multinode import free_port
+from tests.procs import children, finish, kill_family, wait_for
 
 # Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
 LONG = [*TINY, *PACED, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: acted on mid-run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir: Path, *launcher_args: str, overrides=LONG, extra=(), host=None) -> subprocess.Popen:
@@ -62,25 +67,6 @@ def _ppid(pid: int) -> int:
         return 0
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants: a node lost at once (torchrun puts each worker in a
-    session of its own, so killing the agent's process group would leave the workers running)."""
-    family, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        family.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    for p in family:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _state(proc: Path) -> str:
     return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
@@ -97,16 +83,6 @@ def reached(run_dir: Path, step: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-    return proc.returncode, out, err
-
-
 def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_path):
     ref, hit = tmp_path / "ref", tmp_path / "hit"
     run_train(ref, *LONG[len(TINY):], nproc=2)
@@ -117,8 +93,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_pa
     rc, out, err = finish(proc)
     assert rc == 0, err[-3000:]
     assert "resumed from" in out and "at step 5" in out  # the latest checkpoint before the kill
-    for k, v in latest_state(ref)["model"].items():
-        assert torch.equal(v, latest_state(hit)["model"][k]), k
+    assert_same_state(latest_state(ref), latest_state(hit))
     assert train_losses(ref) == train_losses(hit)
 
 
@@ -164,7 +139,7 @@ def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(t
         assert proc.wait(timeout=240) == 0, err.text()[-3000:]
     finally:
         if proc.poll() is None:
-            kill_tree(proc.pid)
+            kill_family(proc.pid)
             proc.wait()
     timed_out = f"collective timed out after dist.timeout_s={timeout_s} s"
     line = next(ln for ln in err.text().splitlines() if timed_out in ln)
@@ -262,12 +237,12 @@ def test_a_second_node_joins_then_leaves(tmp_path, make_hosts):
         # step's save ends, and a kill during that save resumes from the 1-node checkpoint (no change seen).
         wait_for(lambda: reached(run, grown_at + 5) and latest_step(run) > grown_at, 120,
                  "a checkpoint of the 2-node group")
-        kill_tree(b.pid)  # node B is lost: launcher, agent and workers
+        kill_family(b.pid)  # node B is lost: launcher, agent and workers
         rc, out, err = finish(a)
     finally:
         for p in (a, b):
             if p is not None and p.poll() is None:
-                kill_tree(p.pid)
+                kill_family(p.pid)
                 p.wait()
     assert rc == 0, err[-3000:]
     log = log0.read_text()

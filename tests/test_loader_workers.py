@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests import procs
 from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
 from tests.procs import children, descendants, wait_for
 
@@ -66,15 +67,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
-
-
 def _ignored(pid: int) -> set[int]:
     """The signals a process ignores or blocks (a worker starting: torch's SIGTERM handler is installed
     before the worker's init function ignores it again; the fork server blocks them for that moment)."""
-    status = _status(pid)
+    status = procs.status(pid)
     mask = int(status["SigIgn"], 16) | int(status["SigBlk"], 16)
     return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
 
@@ -87,10 +83,7 @@ def _start_time(pid: int) -> int:
 
 
 def _running(pid: int) -> bool:
-    try:
-        return not _status(pid)["State"].startswith(("Z", "X"))
-    except OSError:
-        return False
+    return not procs.status(pid).get("State", "X").startswith(("Z", "X"))
 
 
 def _is_loader_worker(pid: int) -> bool:

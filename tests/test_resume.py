@@ -22,6 +22,7 @@ from tests.conftest import (
     RNG_DRAWS,
     ROOT,
     after_import,
+    assert_same_state,
     assert_same_training,
     clean_env,
     copy_run,
@@ -58,12 +59,6 @@ def wait_for_step(run_dir, step, proc, timeout=120):
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def assert_same_weights(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
 def test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact(tmp_path):
@@ -246,9 +241,7 @@ def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path, fi
     for step in (4, 6):
         a = dcp_io.read_state(sync / "checkpoints" / f"step_{step:08d}")
         b = dcp_io.read_state(asyn / "checkpoints" / f"step_{step:08d}")
-        assert_same_weights(a["model"], b["model"])
-        for name, state in a["optimizer"]["state"].items():
-            assert_same_weights(state, b["optimizer"]["state"][name])
+        assert_same_state(a, b, f"step {step}: ")
 
 
 ASYNC_SAVE_THEN_TRAIN = """
@@ -345,7 +338,7 @@ def test_resume_from_a_path(tmp_path, finished_run):
     branch = tmp_path / "branch"
     proc = run_train(branch, f"resume={finished_run / 'checkpoints' / 'step_00000004'}", "train.steps=6")
     assert "at step 4" in proc.stdout
-    assert_same_weights(latest_state(branch)["model"], latest_state(finished_run)["model"])
+    assert_same_state(latest_state(branch), latest_state(finished_run))
     proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
     assert "is neither a checkpoint folder nor a folder" in proc.stderr
     # a new run from another run's checkpoint may take a seed of its own (a relaunch of a run may not: test_data)
