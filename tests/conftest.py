@@ -184,10 +184,9 @@ def assert_trained_alike(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0
 
 # `make test` runs the files two at a time (pytest-xdist's --dist loadfile, one per core): a file's tests
 # run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster) never
-# shares it, and the tests that mostly wait (stop
-# budgets, restarts, rendezvous and SLURM's scheduling: a third of the CPU idle when they ran alone) overlap
-# the ones that compute. Real hosts carry random names, addresses and bridges (tests/hosts.py), so two files
-# can use them at once.
+# shares it, and the tests that mostly wait (stop budgets, restarts, rendezvous and SLURM's scheduling: a third
+# of the CPU idle when they ran alone) overlap the ones that compute. Real hosts carry random names, addresses
+# and bridges (tests/hosts.py), so two files can use them at once.
 def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 

@@ -12,9 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests import procs
 from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
-from tests.procs import children, descendants, wait_for
+from tests.procs import children, descendants, status, wait_for
 
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
 # evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
@@ -70,8 +69,8 @@ def _cmdline(pid: int) -> str:
 def _ignored(pid: int) -> set[int]:
     """The signals a process ignores or blocks (a worker starting: torch's SIGTERM handler is installed
     before the worker's init function ignores it again; the fork server blocks them for that moment)."""
-    status = procs.status(pid)
-    mask = int(status["SigIgn"], 16) | int(status["SigBlk"], 16)
+    st = status(pid)
+    mask = int(st["SigIgn"], 16) | int(st["SigBlk"], 16)
     return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
 
 
@@ -83,7 +82,7 @@ def _start_time(pid: int) -> int:
 
 
 def _running(pid: int) -> bool:
-    return not procs.status(pid).get("State", "X").startswith(("Z", "X"))
+    return not status(pid).get("State", "X").startswith(("Z", "X"))
 
 
 def _is_loader_worker(pid: int) -> bool:
