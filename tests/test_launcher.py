@@ -6,6 +6,7 @@ them, to torchrun itself), real files."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 
 from tests.conftest import PACED, PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
 from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
+from train.launch.passthrough import Passthrough
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
 
@@ -206,6 +208,47 @@ def test_ctrl_c_to_make_train_local_s_whole_foreground_group_checkpoints(tmp_pat
     marker = json.loads((tmp_path / "STOPPED").read_text())
     assert marker["step"] == latest_state(tmp_path)["step"] >= 2
     assert "Traceback" not in err, err[-3000:]
+
+
+# A process that logs as torchrun does, with torchrun's stop handler, and whose log call a stop signal lands
+# in every time (what a second stop signal does one time in many: Ctrl-C reaches torchrun and the launcher,
+# which passes it on). `logging` catches the SignalException and prints a "--- Logging error ---" block.
+SIGNAL_IN_A_LOG_CALL = """
+import logging, os, signal, sys
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+signal.signal(signal.SIGTERM, _terminate_process_handler)
+
+class Handler(logging.StreamHandler):
+    def format(self, record):
+        if record.args and record.args[-1] == "SIGINT":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, inside emit()
+        return super().format(record)
+
+log = logging.getLogger("torchrun")
+log.addHandler(Handler(sys.stderr))
+print("before", file=sys.stderr, flush=True)
+log.warning("Sending process %s closing signal %s", 1234, "SIGINT")
+log.warning("Sending process %s closing signal %s", 1235, "SIGTERM")
+log.warning("a record that cannot be formatted %s %s", 1)  # a logging error of another kind: shown
+print("after", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_stop_signal_inside_torchrun_s_log_call_is_not_shown_as_a_traceback():
+    raw = subprocess.run([PY, "-c", SIGNAL_IN_A_LOG_CALL], env=clean_env(), capture_output=True, text=True).stderr
+    assert raw.count("--- Logging error ---") == 2 and "SignalException" in raw, raw
+    out = io.StringIO()
+    passthrough = Passthrough(out)  # the launcher's filter of torchrun's stderr
+    for line in raw.splitlines(keepends=True):
+        passthrough.feed(line)
+    passthrough.close()
+    passed = out.getvalue()
+    lines = passed.splitlines()
+    assert lines[0] == "before" and lines[-1] == "after", passed
+    assert "Sending process 1235 closing signal SIGTERM" in lines and "1234" not in passed, passed
+    assert "SignalException" not in passed and passed.count("Traceback") == 1, passed
+    assert "a record that cannot be formatted" in passed and "--- Logging error ---" in passed, passed
 
 
 # ---------------------------------------------------------------- torchrun's rounds: each ending by its own round

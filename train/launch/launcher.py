@@ -49,9 +49,10 @@ from train.launch.command import (
     torchrun_command,
     worker_env,
 )
+from train.launch.passthrough import Passthrough
 from train.launch.rendezvous import NotUp, wait_for_rendezvous
 from train.launch.signals import Signals, Stopped, alive, say
-from train.launch.verdict import QUIET_TRACEBACK, History, verdict
+from train.launch.verdict import History, verdict
 from train.stops import markers
 
 
@@ -155,36 +156,20 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
         env["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGQUIT"
     if debug:
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    # stderr is passed through line by line and kept (the tail) to explain a failure afterwards.
+    # stderr is passed through line by line (passthrough.py: less the tracebacks that are not news) and kept
+    # (the tail) to explain a failure afterwards.
     proc = signals.run(cmd, env)
     stop = signals.received
     tail: list[str] = []
     usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
     def pump():
-        held: list[str] = []  # a traceback, kept back until its last line says what it is
-        chained = False  # a dropped traceback's "The above exception ..." lines are dropped with it
+        passthrough = Passthrough(sys.stderr)
         for line in proc.stderr:
             tail.append(line)
             del tail[:-400]
-            if not held and line.startswith("Traceback (most recent call last):"):
-                held.append(line)
-                continue
-            if held:
-                held.append(line)
-                if line.startswith(" ") or not line.strip():  # (a traceback may hold an empty line)
-                    continue
-                # torchrun's own SignalException is how it acknowledges a stop (sent to the launcher, or to
-                # torchrun itself); a rendezvous error is said in the launcher's last line: neither is news.
-                quiet = "SignalException" in line or QUIET_TRACEBACK.search(line)
-                lines, held, chained = ([] if quiet else held), [], bool(quiet)
-            elif chained and (not line.strip() or line.startswith(("The above exception", "During handling"))):
-                continue
-            else:
-                lines, chained = [line], False
-            sys.stderr.writelines(lines)
-            sys.stderr.flush()
-        sys.stderr.writelines(held)
+            passthrough.feed(line)
+        passthrough.close()
 
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
