@@ -19,7 +19,8 @@ and judged by torchrun's round that ended (_verdict). A rendezvous host still do
 The stop budget (--stop-timeout, STOP_TIMEOUT) is how long torchrun lets
 the workers finish their step and save before it SIGKILLs them; the launcher also waits that long for
 them when torchrun itself ends early (a second SIGTERM, as SLURM sends, cuts torchrun's own wait).
-When torchrun fails, the launcher ends with one line saying why and what to try.
+When torchrun fails, the launcher ends with one line saying why and what to try. A rank that a hang report
+names as not answering (frozen) is killed by its node's launcher at once (_end_unanswered).
 REQUEUE_EXIT_CODE replaces the launcher's 75 by another code, for a scheduler that retries only some codes
 (a PyTorchJob's restartPolicy: ExitCode restarts 128-255 and fails the job on 1-127: k8s/pytorchjob.yaml).
 """
@@ -31,11 +32,13 @@ import contextlib
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from train import config
 from train.errors import EXIT_REQUEUE, EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
@@ -51,7 +54,7 @@ from train.launch.command import (
 )
 from train.launch.passthrough import Passthrough
 from train.launch.rendezvous import NotUp, wait_for_rendezvous
-from train.launch.signals import Signals, Stopped, alive, say
+from train.launch.signals import Signals, Stopped, alive, children, say
 from train.launch.verdict import History, verdict
 from train.stops import markers
 
@@ -143,6 +146,27 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
+def _end_unanswered(run_dir: Path, launch_id: str, torchrun: int, killed: set[int]) -> None:
+    """A hang report (the HANG marker, train/parallel/hang.py) names the ranks that did not answer it: frozen,
+    stopped, or stuck holding the GIL. Their group is over (a collective timed out) and they cannot save;
+    torchrun would SIGKILL them only after its fixed 30 s grace, or never where the frozen rank is its node's
+    only worker and hosts the store (nothing on that node fails). This node's are killed now, each named once;
+    a pid is one of torchrun's workers, and the very process the report named (its start time)."""
+    hang = markers.read(run_dir, "HANG", launch_id)
+    if not hang:
+        return
+    workers = children(torchrun)
+    for peer in hang.get("unanswered", []):
+        pid = peer.get("pid")
+        if (pid in workers and pid not in killed and peer.get("host") == socket.gethostname()
+                and markers.process_start(pid) == peer.get("started")):
+            killed.add(pid)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            print(f"launch: rank {peer.get('rank')} (pid {pid}) did not answer the hang report: killed, so that "
+                  f"torchrun ends its group now", file=sys.stderr, flush=True)
+
+
 def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signals: Signals,
          failure: str | None = None, debug: bool = False) -> int:
     """Run torchrun (the training's, or with `failure` the doctor's), passing stop signals on; map its end
@@ -173,8 +197,10 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
 
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
+    killed: set[int] = set()
     while (rc := _wait(proc, 0.5)) is None:
         signals.see()
+        _end_unanswered(cfg.run_dir, launch_id, proc.pid, killed)
         if not usage and not stop and (marker := markers.read(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
             usage.append(marker.get("error", "a usage error"))
             proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries

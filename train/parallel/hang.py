@@ -11,9 +11,13 @@ torch's own mechanisms do the work:
   thread, into <run_dir>/logs/rank<N>.stacks.txt). A rank frozen outright (SIGSTOP, a deadlock that holds
   the GIL) cannot answer: it is named as such;
 - the first rank to time out composes one line and leaves it to every node's launcher (the .HANG marker
-  of each launch id, all-gathered at start with the hostnames), which prints it as its last line.
+  of each launch id, all-gathered at start with the hostnames and each rank's process), which prints it as
+  its last line.
 A rank found stuck outside any collective ends itself once the line is written, so that its node's
-torchrun ends too. TRAIN_HANG_REPORT=0 turns the thread off (the flight recorder is torchrun's setting).
+torchrun ends too. One that did not answer cannot: the marker names its process, and its node's launcher
+kills it (train/launch/launcher.py), rather than leave it to torchrun's fixed 30 s grace, or for ever where it
+is its node's only worker and the store's host (then nothing on that node fails). TRAIN_HANG_REPORT=0 turns
+the thread off (the flight recorder is torchrun's setting).
 """
 
 from __future__ import annotations
@@ -28,33 +32,47 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 from train.errors import say
 from train.parallel.distributed import DistEnv, exit_process, hostname
-from train.stops.markers import launch_id
+from train.stops.markers import launch_id, process_start
 
 PREFIX = "ddp-template/hang/"
 ANSWER_S = 5.0  # how long the first rank to time out waits for the others' answers
-PEERS: list[tuple[str, str | None]] = []  # (host, launch id) of every rank, all-gathered at start
+
+
+class Peer(NamedTuple):
+    host: str
+    launch_id: str | None
+    pid: int = 0
+    started: int | None = None  # the process's start time (markers.process_start): with pid, one process
+
+
+PEERS: list[Peer] = []  # every rank's, all-gathered at start
 _ctx: dict = {}
 
 
 def host_of(rank: int) -> str:
-    return PEERS[rank][0] if 0 <= rank < len(PEERS) else "?"
+    return PEERS[rank].host if 0 <= rank < len(PEERS) else "?"
+
+
+def me() -> Peer:
+    return Peer(hostname(), launch_id(), os.getpid(), process_start(os.getpid()))
 
 
 def start(run_dir: Path, denv: DistEnv) -> None:
-    """Once, after the process group exists (collective: every rank calls it): all-gather each rank's host
-    and launch id, and start this rank's answering thread."""
+    """Once, after the process group exists (collective: every rank calls it): all-gather each rank's host,
+    launch id and process, and start this rank's answering thread."""
     PEERS.clear()
     if denv.world_size == 1:
-        PEERS.append((hostname(), launch_id()))
+        PEERS.append(me())
         return
     gathered: list = [None] * denv.world_size
-    dist.all_gather_object(gathered, (hostname(), launch_id()))
-    PEERS.extend(tuple(p) for p in gathered)
+    dist.all_gather_object(gathered, tuple(me()))
+    PEERS.extend(Peer(*p) for p in gathered)
     if launch_id():  # a line left by a group this launch ran before (torchrun restarted it) is not this one's
         (run_dir / ".launch" / f"{launch_id()}.HANG").unlink(missing_ok=True)
     if os.environ.get("TRAIN_HANG_REPORT", "1") in ("", "0"):
@@ -214,7 +232,7 @@ def report(run_dir: Path, denv: DistEnv, timeout_s: float) -> str | None:
         return result["line"]
     line = (f"rank 0 on {host_of(0)} did not answer (stopped or frozen, or its host was lost: it holds the process "
             f"group's store); rank {rank} waited {timeout_s:g} s in {f'{op} #{seq}' if op else 'a collective'}")
-    _leave(run_dir, line)
+    _leave(run_dir, line, [0])
     return line
 
 
@@ -233,20 +251,22 @@ def _exchange(run_dir: Path, denv: DistEnv, op: str | None, seq: int | None, tim
     states = {r: json.loads(store.get(k)) if store.check([k]) else None for r, k in enumerate(keys)}
     line = compose(states, op, seq, denv.world_size, timeout_s)
     line += f"; every rank's stack: {run_dir / 'logs'}/rank*.stacks.txt"
-    _leave(run_dir, line)
+    _leave(run_dir, line, [r for r, s in states.items() if s is None])
     store.set("line", line)
     store.set("done", "1")
     return line
 
 
-def _leave(run_dir: Path, line: str) -> None:
-    """The line for every node's launcher: the .HANG marker of each launch id (train/launch/launcher.py reads it)."""
+def _leave(run_dir: Path, line: str, unanswered: list[int]) -> None:
+    """The line for every node's launcher: the .HANG marker of each launch id (train/launch/launcher.py reads
+    it), with the processes of the ranks that did not answer."""
     folder = run_dir / ".launch"
-    for lid in {lid for _, lid in PEERS if lid}:
+    frozen = [{"rank": r, **PEERS[r]._asdict()} for r in unanswered if r < len(PEERS)]
+    for lid in {p.launch_id for p in PEERS if p.launch_id}:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{lid}.HANG.{os.getpid()}"
-            tmp.write_text(json.dumps({"time": time.time(), "error": line, "launch_id": lid}))
+            tmp.write_text(json.dumps({"time": time.time(), "error": line, "launch_id": lid, "unanswered": frozen}))
             os.replace(tmp, folder / f"{lid}.HANG")
         except OSError:
             pass

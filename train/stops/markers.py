@@ -2,8 +2,9 @@
 
 <run_dir>/.launch/<launch id>.<name>, JSON, written atomically: STARTED (training begins: a stop from now on
 ends with a checkpoint), STOPPED (a stop after a checkpoint), FINISHED (the run is complete), USAGE_ERROR
-(train/__main__.py), HANG (train/parallel/hang.py). The launch id is TRAIN_LAUNCH_ID, a new one for each
-`python -m train.launch` (each node's launcher has its own); `round` is torchrun's round of the writer, as
+(train/__main__.py), HANG (train/parallel/hang.py: its line, and the processes of the ranks that did not
+answer). The launch id is TRAIN_LAUNCH_ID, a new one for each `python -m train.launch` (each node's launcher
+has its own); `round` is torchrun's round of the writer, as
 the launcher judges an ending by the markers of the round that ended (train/launch/verdict.py). Rank 0 also
 writes STOPPED into the run directory for the user. Standard library only: the launcher reads them.
 """
@@ -32,6 +33,15 @@ def launch_round() -> int:
     (torch 2.14's agent; a restart for a membership change keeps it); 0 outside torchrun."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     return int(value) if value.isdigit() else 0
+
+
+def process_start(pid: int) -> int | None:
+    """When the process pid started, in clock ticks since boot (/proc/PID/stat), None where it is gone: a pid
+    and its start time name one process, never a later one that reuses the pid (HANG names processes)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def path(run_dir: Path, launch: str, name: str) -> Path:
