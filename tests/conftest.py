@@ -201,6 +201,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
 
 
+@pytest.hookimpl(optionalhook=True)  # (a run without xdist: -p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, except at the end: xdist hands a worker its next file as soon as the worker has two tests
+    or fewer left, so one worker took both image files (two tests from its current file's end) while the other
+    finished its last file and then had nothing to do for minutes. While no more files remain than there are
+    workers, a file goes to a worker that has run out of tests (its last test waits only for the next file's
+    first, a message away). xdist's LoadFileScheduling and its attributes, pinned in requirements-dev.txt."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LastFilesToIdleWorkers(LoadFileScheduling):
+        def _reschedule(self, node):
+            if 0 < len(self.workqueue) <= len(self.nodes) and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return LastFilesToIdleWorkers(config, log)
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly or not any(map(_uses_image, session.items)):
         return
