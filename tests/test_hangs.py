@@ -106,11 +106,12 @@ def freeze_at_step_3(make_hosts, tmp_path: Path, rank: int):
 
 # The most a frozen rank's job takes to end, from the freeze: the others' collective timeout (TIMEOUT_S), the
 # report (at most 2 ANSWER_S + 5 s where the frozen rank holds the store), the frozen rank's node's launcher
-# killing it, and the launchers' own ending. Less than torchrun's own grace for a rank that ignores its SIGTERM
-# (30 s in torch 2.14) plus the timeout: without the launcher's kill, no job ends in time.
+# killing it (KILLED: else torchrun would SIGKILL it after its 30 s grace, or never where it is rank 0, the
+# store's host), and the launchers' own ending under a loaded machine's delays. Measured: 11 s (rank 1 frozen)
+# and 22 s (rank 0).
 KILLED = re.compile(r"launch: rank (\d) \(pid \d+\) did not answer the hang report: killed, so that torchrun ends "
                     r"its group now")
-ENDED_WITHIN_S = TIMEOUT_S + 30
+ENDED_WITHIN_S = TIMEOUT_S + 40
 
 
 def test_a_frozen_rank_is_named_as_not_answering(make_hosts, tmp_path):
