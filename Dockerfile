@@ -21,16 +21,9 @@
 # 2024). The template no longer forks from a threaded process (loader workers start from a fork server:
 # train/parallel/data.py), but a user's code may, and the image can have the fix for free. Bump the minor with CI.
 
-# ---- stage 1: the virtual environment, from the requirement set CI installs and tests
-FROM python:3.11.14-slim-bookworm AS deps
-
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY requirements.txt requirements-hf.txt /tmp/
-RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt -r /tmp/requirements-hf.txt
-
-# ---- stage 2: the runtime (no pip cache, no build leftovers)
+# One stage: the environment is installed in place. A build stage whose environment the runtime stage copies
+# (COPY --from) writes the 6 GB twice; in place, a cold `make docker-build` took 127 s and 132 s of CPU against
+# 238 s and 268 s, for the same image (wheels only: nothing is built from source, so nothing is left behind).
 FROM python:3.11.14-slim-bookworm
 
 # A numeric non-root user (the Kubernetes manifests run as 10001 too); a passwd entry, because
@@ -50,7 +43,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc g++ libibverbs1 ibverbs-providers \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
 
-COPY --from=deps /opt/venv /opt/venv
+# The virtual environment, from the requirement set CI installs and tests; no pip cache.
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements.txt requirements-hf.txt /tmp/
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt -r /tmp/requirements-hf.txt \
+    && rm /tmp/requirements.txt /tmp/requirements-hf.txt
 WORKDIR /app
 COPY train/ train/
 COPY configs/ configs/
