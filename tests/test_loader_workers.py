@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
 from tests.procs import children, descendants, status, wait_for
+from train.stops.markers import process_start
 
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
 # evaluates (a new 1-worker loader per rank, over one batch), and with data.persistent_workers=false every
@@ -75,10 +76,8 @@ def _ignored(pid: int) -> set[int]:
 
 
 def _start_time(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError):
-        return 1 << 62
+    started = process_start(pid)
+    return 1 << 62 if started is None else started
 
 
 def _running(pid: int) -> bool:

@@ -35,7 +35,7 @@ class Passthrough:
             self.logging_error.append(line)
             if line.startswith(LOGGING_ERROR_END) or len(self.logging_error) > 400:
                 block, self.logging_error = self.logging_error, None
-                if not any("SignalException" in held for held in block):
+                if not any("SignalException" in text for text in block):
                     self._write(block)
             return
         if not self.held and line.startswith("Traceback (most recent call last):"):

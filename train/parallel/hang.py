@@ -22,6 +22,7 @@ the thread off (the flight recorder is torchrun's setting).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from train.errors import say
 from train.parallel.distributed import DistEnv, exit_process, hostname
+from train.stops import markers
 from train.stops.markers import launch_id, process_start
 
 PREFIX = "ddp-template/hang/"
@@ -74,7 +76,7 @@ def start(run_dir: Path, denv: DistEnv) -> None:
     dist.all_gather_object(gathered, tuple(me()))
     PEERS.extend(Peer(*p) for p in gathered)
     if launch_id():  # a line left by a group this launch ran before (torchrun restarted it) is not this one's
-        (run_dir / ".launch" / f"{launch_id()}.HANG").unlink(missing_ok=True)
+        markers.path(run_dir, launch_id(), "HANG").unlink(missing_ok=True)
     if os.environ.get("TRAIN_HANG_REPORT", "1") in ("", "0"):
         return
     _ctx.update(rank=denv.rank, run_dir=run_dir, store=_store(None), report_store=_store(ANSWER_S),
@@ -260,13 +262,8 @@ def _exchange(run_dir: Path, denv: DistEnv, op: str | None, seq: int | None, tim
 def _leave(run_dir: Path, line: str, unanswered: list[int]) -> None:
     """The line for every node's launcher: the .HANG marker of each launch id (train/launch/launcher.py reads
     it), with the processes of the ranks that did not answer."""
-    folder = run_dir / ".launch"
     frozen = [{"rank": r, **PEERS[r]._asdict()} for r in unanswered if r < len(PEERS)]
     for lid in {p.launch_id for p in PEERS if p.launch_id}:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{lid}.HANG.{os.getpid()}"
-            tmp.write_text(json.dumps({"time": time.time(), "error": line, "launch_id": lid, "unanswered": frozen}))
-            os.replace(tmp, folder / f"{lid}.HANG")
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            markers.write(run_dir, "HANG", {"time": time.time(), "error": line, "launch_id": lid,
+                                            "unanswered": frozen})

@@ -4,9 +4,9 @@
 ends with a checkpoint), STOPPED (a stop after a checkpoint), FINISHED (the run is complete), USAGE_ERROR
 (train/__main__.py), HANG (train/parallel/hang.py: its line, and the processes of the ranks that did not
 answer). The launch id is TRAIN_LAUNCH_ID, a new one for each `python -m train.launch` (each node's launcher
-has its own); `round` is torchrun's round of the writer, as
-the launcher judges an ending by the markers of the round that ended (train/launch/verdict.py). Rank 0 also
-writes STOPPED into the run directory for the user. Standard library only: the launcher reads them.
+has its own); `round` is torchrun's round of the writer, as the launcher judges an ending by the markers of
+the round that ended (train/launch/verdict.py). Rank 0 also writes STOPPED into the run directory for the user.
+Standard library only: the launcher reads them.
 """
 
 from __future__ import annotations
