@@ -57,7 +57,7 @@ def torchrun(launcher_pid: int) -> int:
     def find():
         for pid in children(launcher_pid):
             try:
-                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"train.launch.torchrun" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     return pid
             except OSError:
                 pass

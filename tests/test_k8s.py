@@ -374,7 +374,7 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
         assert code == 0, f"{name} exited {code}\n{log[-4000:]}"
         # What the manifest asks for reached torchrun's command line (through the PET_* variables, the
         # launcher's only source here: the pods' args hold training arguments alone).
-        torchrun = next(line for line in log.splitlines() if "torch.distributed.run" in line)
+        torchrun = next(line for line in log.splitlines() if "train.launch.torchrun" in line)
         for arg in (f"--nnodes={policy['minReplicas']}:{policy['maxReplicas']}",
                     f"--nproc-per-node={job['spec']['nprocPerNode']}", f"--rdzv-id={policy['rdzvId']}",
                     f"--max-restarts={policy['maxRestarts']}", "--rdzv-backend=c10d"):
@@ -417,7 +417,7 @@ def test_a_run_volume_the_pod_cannot_write_stops_it_in_one_line(tmp_path):
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     line = _one_line_hint(proc, str(claim / Path(run_dir).relative_to("/runs")))
     print(line)
-    assert "torch.distributed.run" not in proc.stderr, "torchrun started"
+    assert "train.launch.torchrun" not in proc.stderr, "torchrun started"
     assert not any(claim.iterdir())
 
 
@@ -927,7 +927,7 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
             code = proc.wait(timeout=240)
             text = log.read_text()
             print(f"{kind} {case}: exit {code}: {text.strip().splitlines()[-1]}")
-            assert "torch.distributed.run" not in text, text[-3000:]
+            assert "train.launch.torchrun" not in text, text[-3000:]
             assert "Traceback" not in text, text[-3000:]
             assert (code, outcome[kind](obj, code)) == expected[kind, case], text[-3000:]
     finally:

@@ -137,6 +137,20 @@ def test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried(tmp_path,
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_a_bad_task_key_is_one_line_and_exit_2_before_any_worker_starts(tmp_path):
+    """The task's keys are checked in torchrun's process (train/launch/torchrun.py), before torchrun starts a
+    worker: exit 2 and one line, which the launcher passes on and adds nothing to; nothing is written."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--", "--config", "configs/default.yaml",
+                           *TINY, "task.image_sise=16", f"run.dir={run_dir}"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "'task.image_sise' (did you mean 'task.image_size'" in errors[0], errors
+    assert proc.stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+
+
 def test_a_killed_loader_worker_is_named_whatever_wording_torch_uses(tmp_path):
     """torch says `DataLoader worker (pid(s) N) exited unexpectedly` when the worker dies while the main
     process waits for its batch; the signal is only in the exception's cause."""
@@ -176,17 +190,17 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 
 def test_the_launcher_as_pid_1_stops_on_a_sigterm_before_torchrun_starts(tmp_path):
     """As a container's PID 1 (docker run, a pod), a signal whose action is the default is dropped by the
-    kernel: the launcher's handler must be there from its first line, not only once torchrun runs."""
+    kernel: the launcher's handler must be there from its first line, not only once torchrun runs. The pod
+    waits for its rendezvous host (a name that never resolves): torchrun never starts."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare (a PID namespace)")
-    cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PY, "-m", "train.launch",
-           "--nproc-per-node=2", "--", "--config", "configs/default.yaml", *TINY, f"run.dir={tmp_path}"]
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PY, "-m", "train.launch", "--nnodes=2",
+           "--nproc-per-node=2", "--rdzv-endpoint=no-such-host.invalid:29400", "--", "--config",
+           "configs/default.yaml", *TINY, "train.global_batch_size=32", f"run.dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     launcher = wait_for(lambda: next(iter(children(proc.pid)), None), 30, "the launcher")
-    deadline = time.time() + 5  # the launcher imports torch for seconds before it starts torchrun
-    while time.time() < deadline and not (_catches(launcher, signal.SIGTERM) and not children(launcher)):
-        time.sleep(0.01)
+    wait_for(lambda: _catches(launcher, signal.SIGTERM), 30, "the launcher's handler")
     os.kill(launcher, signal.SIGTERM)
     rc, out, err = finish(proc, timeout=120)
     assert rc == 75, err[-3000:]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
+import socket
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,8 +294,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load(path: str | None, overrides: list[str]) -> Config:
-    """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars)."""
+def load(path: str | None, overrides: list[str], task: bool = True) -> Config:
+    """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars). With
+    task=False the task section is left out, unchecked (its module, a user's file, imports torch): what the
+    launcher checks itself before torchrun, whose process checks the rest (train/launch/torchrun.py)."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -323,9 +327,28 @@ def load(path: str | None, overrides: list[str]) -> Config:
         _set_dotted(cli, key.strip(), value)
     cli_task = cli.pop("task", {})
     _merge(cfg, cli)
-    _set_task(cfg, [file_task or {}, cli_task])
+    if task:
+        _set_task(cfg, [file_task or {}, cli_task])
     validate(cfg)
     return cfg
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create the run directory and prove it writable, or raise ConfigError with the fix in one line.
+    A volume the pod's user cannot write (an NFS ReadWriteMany PVC ignores the pod's fsGroup; a folder
+    made by root on a shared file system) otherwise fails much later, with a traceback from every rank,
+    and under torchrun as a crash it would restart."""
+    probe = run_dir / f".writable.{socket.gethostname()}.{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.touch()  # mkdir succeeds on an existing folder without checking it is writable
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"the run directory {run_dir} is not writable by uid {os.getuid()} gid {os.getgid()} "
+            f"({e.strerror or e}): chown/chmod it for that uid (on Kubernetes: the pod's fsGroup, which most NFS "
+            f"ReadWriteMany volumes ignore, or an initContainer that chowns it), or choose another with run.dir=..."
+        ) from None
 
 
 def _require(ok: bool, msg: str) -> None:

@@ -1,5 +1,5 @@
 """The one place a torchrun command line is built: the launcher's options (each falls back to its environment
-variables), the training arguments checked before torchrun starts, and the workers' environment.
+variables), the training arguments checked before torchrun starts a worker, and the workers' environment.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
     if not str(opts["stop_timeout"]).isdigit() or int(opts["stop_timeout"]) < 1:
         raise ConfigError(f"--stop-timeout (STOP_TIMEOUT) must be a whole number of seconds >= 1, "
                           f"got {opts['stop_timeout']!r}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+    # torchrun (torch.distributed.run) in a process that checks the training arguments first: torchrun.py
+    cmd = [sys.executable, "-m", "train.launch.torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={opts['max_restarts']}", f"--shutdown-timeout={opts['stop_timeout']}"]
     endpoint = opts["rdzv_endpoint"]
     if endpoint:
@@ -126,10 +127,11 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
     return cmd + ["-m", module, *train_args]
 
 
-def check_training_args(train_args: list[str]) -> config.Config:
-    """The same parse `python -m train` does, run once here so a bad config fails before torchrun."""
+def check_training_args(train_args: list[str], task: bool = True) -> config.Config:
+    """The same parse `python -m train` does, run once before torchrun starts the workers so that a bad config
+    fails once; task=False leaves the task's keys to torchrun's process (torchrun.py)."""
     ns = config.parse_args(train_args)
-    return config.load(ns.config, ns.overrides)
+    return config.load(ns.config, ns.overrides, task)
 
 
 def check_world(cfg: config.Config, cmd: list[str]) -> None:

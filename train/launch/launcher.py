@@ -7,7 +7,8 @@ one that torchrun and the Kubeflow operator use (e.g. --nnodes: NNODES, then PET
 than one node and no rendezvous endpoint, MASTER_ADDR:MASTER_PORT (a PyTorchJob's Master replica)
 hosts the c10d rendezvous.
 
-The training arguments are checked before torchrun starts, so a bad config fails once, in one line.
+The training arguments are checked before torchrun starts a worker, so a bad config fails once, in one
+line: here, and in torchrun's process (torchrun.py), which imports the task's module.
 One signal handler, installed first thing in main(), serves the launcher's whole life: stop signals
 (TERM, INT, HUP, QUIT, USR1, USR2; HUP not where it was ignored at start, as under nohup) are passed to
 torchrun once, as SIGTERM, which it passes on to the workers; they checkpoint and the launcher exits 75
@@ -74,16 +75,16 @@ def _main(argv: list[str] | None) -> int:
     args, train_args = parse_args(argv)
     try:
         requeue_exit_code(os.environ)  # a bad value is a usage error now, not at the end of a run
-        cfg = check_training_args(train_args)
         opts = resolve(args, os.environ)
+        # torchrun's process checks every key before it starts a worker (torchrun.py); here, the trainer's, and
+        # the task's too where torch is imported here anyway: a dry run, and before this node waits for the
+        # rendezvous host (to probe it), so that a bad config never waits, nor leaves the other nodes waiting.
+        waits = bool(opts["rdzv_endpoint"])
+        cfg = check_training_args(train_args, task=args.dry_run or waits)
         cmd = torchrun_command(opts, train_args)
         check_world(cfg, cmd)
-        if not args.dry_run:
-            from train.observe.log import make_run_dir  # imports torch, which torchrun needs next anyway
-
-            # Here, once: a worker could not even leave its usage-error marker in an unwritable folder,
-            # and torchrun would restart it as a crash.
-            make_run_dir(cfg.run_dir)
+        if waits and not args.dry_run:
+            config.make_run_dir(cfg.run_dir)  # as torchrun's process does (torchrun.py), before the wait
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -135,6 +135,8 @@ def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budge
     if usage:
         say(f"error: {usage[0]} (found by the workers; not retried)")
         return EXIT_USAGE
+    if rc == EXIT_USAGE:  # torchrun's process found it before any worker started (torchrun.py): its line is out
+        return EXIT_USAGE
     if failure is not None and stop:
         raise Stopped(signals.name)  # the doctor trains nothing
     if stop and markers.read(cfg.run_dir, "FINISHED", launch_id) is not None:

@@ -26,29 +26,11 @@ from urllib.parse import urlsplit
 import torch
 import yaml
 
-from train.config import Config, ConfigError, LogConfig, to_dict, wandb_tags
+from train.config import Config, ConfigError, LogConfig, make_run_dir, to_dict, wandb_tags
 from train.parallel.distributed import DistEnv
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STRAGGLER_REPEAT = 10  # log steps between two straggler warnings
-
-
-def make_run_dir(run_dir: Path) -> None:
-    """Create the run directory and prove it writable, or raise ConfigError with the fix in one line.
-    A volume the pod's user cannot write (an NFS ReadWriteMany PVC ignores the pod's fsGroup; a folder
-    made by root on a shared file system) otherwise fails much later, with a traceback from every rank,
-    and under torchrun as a crash it would restart."""
-    probe = run_dir / f".writable.{socket.gethostname()}.{os.getpid()}"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.touch()  # mkdir succeeds on an existing folder without checking it is writable
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"the run directory {run_dir} is not writable by uid {os.getuid()} gid {os.getgid()} "
-            f"({e.strerror or e}): chown/chmod it for that uid (on Kubernetes: the pod's fsGroup, which most NFS "
-            f"ReadWriteMany volumes ignore, or an initContainer that chowns it), or choose another with run.dir=..."
-        ) from None
 
 
 class _Console(logging.Handler):
