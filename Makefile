@@ -59,7 +59,7 @@ bench: dev
 clean-runs:
 	rm -rf runs
 
-# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_container.py and test_compose.py
+# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_image.py, test_container.py and test_compose.py
 # build and run them).
 #   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
 #   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)

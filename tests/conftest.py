@@ -194,9 +194,9 @@ def _uses_image(item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The files with tests on the project's image run last: its build (minutes from cold) runs in the
-    background while the others run (tests/engine.py). There are two (test_compose, test_container: their
-    containers, volumes and compose projects have names of their own), so that at the end both workers run
-    the image's tests, rather than one alone for minutes while the other has nothing left."""
+    background while the others run (tests/engine.py). There are three (test_compose, test_container,
+    test_image: their containers, volumes and compose projects have names of their own), so that at the end both
+    workers run the image's tests, rather than one alone for minutes while the other has nothing left."""
     image_files = {item.path for item in items if _uses_image(item)}
     items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
 

@@ -37,6 +37,10 @@ CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 DEBIAN_PACKAGES = "python3,python3-venv,python3-dev,python-is-python3,ca-certificates"
 
 
+# How the tests run the image, as docs/containers.md shows it: a read-only root as user 10001, /tmp writable.
+RUN_FLAGS = ["--read-only", "--user", "10001", "--tmpfs", "/tmp:exec,mode=1777", "--shm-size", "1g"]
+
+
 def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kw)
     if check:

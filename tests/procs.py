@@ -108,12 +108,14 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
+    """predicate()'s first true value, asked every `every` s (longer for one that runs a command: `docker
+    inspect` in a loop keeps a core a quarter busy)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if value := predicate():
             return value
-        time.sleep(0.05)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -1,7 +1,7 @@
 """docker compose (docker-compose.yml), the project's image on several nodes. Without an engine: the file
 against the compose spec, Compose v1's and v2's own reading of it, its topology, and the make targets. With a
 real Docker engine (tests/engine.py builds the image): the cpu profile's two nodes started in either order,
-and one of them killed. The image itself, and `docker run`: tests/test_container.py."""
+and one of them killed. The image itself: tests/test_image.py; `docker run`: tests/test_container.py."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class Project:
         def done():
             return all(state(self.container(s))[:2] == ("exited", 0) for s in _profile("cpu"))
         try:
-            wait_for(done, timeout, "both nodes to finish")
+            wait_for(done, timeout, "both nodes to finish", every=0.5)
         except AssertionError as e:
             nodes = "\n".join(f"--- {n}: {state(self.container(n))}\n{logs(self.container(n))}"
                                for n in _profile("cpu"))
@@ -203,7 +203,8 @@ def test_compose_cpu_nodes_started_last_node_first_train_to_the_end(project):
     p = project("train.steps=12")
     p("up", "-d", "cpu-node1")
     # Node 1 says it waits for the rendezvous host (then polls it every second): start node 0 only then.
-    wait_for(lambda: "waiting up to" in logs(p.container("cpu-node1")), 300, "node 1 waiting for node 0")
+    wait_for(lambda: "waiting up to" in logs(p.container("cpu-node1")), 300, "node 1 waiting for node 0",
+             every=0.5)
     time.sleep(3)
     assert state(p.container("cpu-node1"))[0] == "running", logs(p.container("cpu-node1"))
     p("up", "-d", "cpu-node0")
