@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import RESNET, ROOT
 from tests.multinode import dockerfile_instructions, required
 
 IMAGE_VERSION = next(line.split('"')[1] for line in (ROOT / "pyproject.toml").read_text().splitlines()
@@ -39,6 +39,13 @@ DEBIAN_PACKAGES = "python3,python3-venv,python3-dev,python-is-python3,ca-certifi
 
 # How the tests run the image, as docs/containers.md shows it: a read-only root as user 10001, /tmp writable.
 RUN_FLAGS = ["--read-only", "--user", "10001", "--tmpfs", "/tmp:exec,mode=1777", "--shm-size", "1g"]
+# The image holds no tests/: the runs that stop, resume and restart train tests/small_task.py (the built-in image
+# task with its ResNet at a quarter of the width: steps of milliseconds, saves of 1 MB where ResNet-18's are 90),
+# mounted read-only as a user mounts a task file of theirs, its steps paced (conftest.PACED) where a test acts
+# on a run mid-way. (The image's own model trains in test_image.py's runs.)
+SMALL_TASK_FILE = (ROOT / "tests" / "small_task.py", "/task/small_task.py")
+SMALL_TASK_MOUNT = ["-v", f"{SMALL_TASK_FILE[0]}:{SMALL_TASK_FILE[1]}:ro"]
+SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_FILE[1]}:SmallImages"]
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -18,10 +18,9 @@ import pytest
 import yaml
 
 from tests import engine
-from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
-from tests.conftest import ROOT, latest_state, summary
+from tests.conftest import PACED, ROOT, latest_state, summary
 from tests.engine import IMAGE_VERSION as VERSION
-from tests.engine import docker, logs, state, volume_path
+from tests.engine import SMALL_TASK, SMALL_TASK_FILE, docker, logs, state, volume_path
 from tests.multinode import required, tool
 from tests.procs import logged_steps, wait_for
 
@@ -151,7 +150,9 @@ class Project:
         self.name = f"ddp-test-{uuid.uuid4().hex[:8]}"
         command = [*_profile("cpu")["cpu-node0"]["command"], *overrides]
         override = tmp / "compose.override.yml"
-        override.write_text(yaml.safe_dump({"services": {n: {"command": command} for n in _profile("cpu")}}))
+        mount = ":".join([*map(str, SMALL_TASK_FILE), "ro"])  # the task file the runs train (engine.SMALL_TASK)
+        override.write_text(yaml.safe_dump({"services": {n: {"command": command, "volumes": [mount]}
+                                                         for n in _profile("cpu")}}))
         self.cli = [*compose_cli(), "-p", self.name, "-f", str(COMPOSE), "-f", str(override), "--profile", "cpu"]
         self.env = {**os.environ, "IMAGE": tag}
 
@@ -190,7 +191,7 @@ def project(image, tmp_path):
     made = []
 
     def new(*overrides: str) -> Project:
-        made.append(Project(tmp_path, image, *TINY, *overrides))
+        made.append(Project(tmp_path, image, *SMALL_TASK, *overrides))
         return made[-1]
 
     yield new
@@ -217,7 +218,7 @@ def test_compose_a_killed_node_comes_back_and_the_job_finishes(project):
     """SIGKILL to one node's container process (a crash, an OOM kill): restart: on-failure restarts it, it
     rejoins, and the job resumes from the latest checkpoint and ends. (`docker kill` itself counts as a
     manual stop, which no restart policy undoes: `docker compose start` brings such a node back.)"""
-    p = project("train.steps=40", "train.log_every=5", "checkpoint.every=5")
+    p = project(*PACED, "train.steps=40", "train.log_every=5", "checkpoint.every=5")
     p("up", "-d")
     run_dir = p.run_dir()
     wait_for(lambda: any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10")

@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 
 from tests import engine
-from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
-from tests.conftest import assert_same_training, latest_state, summary
-from tests.engine import RUN_FLAGS, docker, logs, state, volume_path
+from tests.conftest import PACED, assert_same_training, latest_state, summary
+from tests.engine import RUN_FLAGS, SMALL_TASK, SMALL_TASK_MOUNT, docker, logs, state, volume_path
 from tests.procs import logged_steps, wait_for
 
 # The engine's fixtures: the image built by make docker-build, a fresh volume, containers removed afterwards
 image, volume, containers = engine.image, engine.volume, engine.containers
 
-SEGMENTED = [*TINY, "train.steps=40", "train.log_every=5"]
+SEGMENTED = [*SMALL_TASK, "train.steps=40", "train.log_every=5"]
+# A stop lands mid-run: steps of 0.15 s (a sleep, which changes no number: the uninterrupted run needs none)
+PACED_SEGMENTED = [*SEGMENTED, *PACED]
 
 
 @pytest.mark.parametrize("args", [["--config", "configs/default.yaml", "train.steps=3", "run.name=x"],
@@ -39,8 +40,8 @@ def uninterrupted(image) -> Path:
     name = f"ddp-test-{uuid.uuid4().hex[:8]}"
     docker("volume", "create", name)
     try:
-        docker("run", "--rm", *RUN_FLAGS, "-v", f"{name}:/runs", image, "--nproc-per-node", "2", "--",
-               "--config", "configs/default.yaml", *SEGMENTED, "run.dir=/runs/r", timeout=900)
+        docker("run", "--rm", *RUN_FLAGS, *SMALL_TASK_MOUNT, "-v", f"{name}:/runs", image, "--nproc-per-node", "2",
+               "--", "--config", "configs/default.yaml", *SEGMENTED, "run.dir=/runs/r", timeout=900)
         yield volume_path(name) / "r"
     finally:
         docker("volume", "rm", "-f", name, check=False)
@@ -60,9 +61,9 @@ def test_docker_stop_saves_exits_75_and_docker_start_resumes_bitwise(image, volu
     exit 75; `docker start` runs the same command again, which continues to the uninterrupted run's end."""
     name = containers()
     run_dir = volume_path(volume) / "r"
-    docker("run", "-d", "--name", name, *RUN_FLAGS, "--stop-timeout", "90", "-e", "STOP_TIMEOUT=60",
+    docker("run", "-d", "--name", name, *RUN_FLAGS, *SMALL_TASK_MOUNT, "--stop-timeout", "90", "-e", "STOP_TIMEOUT=60",
            "-v", f"{volume}:/runs", image, "--nproc-per-node", "2", "--", "--config", "configs/default.yaml",
-           *SEGMENTED, "run.dir=/runs/r")
+           *PACED_SEGMENTED, "run.dir=/runs/r")
     wait_for(lambda: state(name)[0] != "running" or any(s >= 10 for s in logged_steps(run_dir)), 600, "step 10",
              every=0.2)
     assert state(name)[0] == "running", logs(name)
