@@ -43,9 +43,10 @@ RUN_FLAGS = ["--read-only", "--user", "10001", "--tmpfs", "/tmp:exec,mode=1777",
 # task with its ResNet at a quarter of the width: steps of milliseconds, saves of 1 MB where ResNet-18's are 90),
 # mounted read-only as a user mounts a task file of theirs, its steps paced (conftest.PACED) where a test acts
 # on a run mid-way. (The image's own model trains in test_image.py's runs.)
-SMALL_TASK_FILE = (ROOT / "tests" / "small_task.py", "/task/small_task.py")
-SMALL_TASK_MOUNT = ["-v", f"{SMALL_TASK_FILE[0]}:{SMALL_TASK_FILE[1]}:ro"]
-SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_FILE[1]}:SmallImages"]
+SMALL_TASK_IN_IMAGE = "/task/small_task.py"
+SMALL_TASK_VOLUME = f"{ROOT / 'tests' / 'small_task.py'}:{SMALL_TASK_IN_IMAGE}:ro"  # docker run -v, compose volumes
+SMALL_TASK_MOUNT = ["-v", SMALL_TASK_VOLUME]
+SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_IN_IMAGE}:SmallImages"]
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import yaml
 from tests import engine
 from tests.conftest import PACED, ROOT, latest_state, summary
 from tests.engine import IMAGE_VERSION as VERSION
-from tests.engine import SMALL_TASK, SMALL_TASK_FILE, docker, logs, state, volume_path
+from tests.engine import SMALL_TASK, SMALL_TASK_VOLUME, docker, logs, state, volume_path
 from tests.multinode import required, tool
 from tests.procs import logged_steps, wait_for
 
@@ -150,8 +150,7 @@ class Project:
         self.name = f"ddp-test-{uuid.uuid4().hex[:8]}"
         command = [*_profile("cpu")["cpu-node0"]["command"], *overrides]
         override = tmp / "compose.override.yml"
-        mount = ":".join([*map(str, SMALL_TASK_FILE), "ro"])  # the task file the runs train (engine.SMALL_TASK)
-        override.write_text(yaml.safe_dump({"services": {n: {"command": command, "volumes": [mount]}
+        override.write_text(yaml.safe_dump({"services": {n: {"command": command, "volumes": [SMALL_TASK_VOLUME]}
                                                          for n in _profile("cpu")}}))
         self.cli = [*compose_cli(), "-p", self.name, "-f", str(COMPOSE), "-f", str(override), "--profile", "cpu"]
         self.env = {**os.environ, "IMAGE": tag}
