@@ -191,14 +191,28 @@ def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
 
+# The image's files in the order they are handed out, the longest first, so that the worker that runs two of them
+# ends with the shortest: test_container.py about two minutes (torch.compile's kernels one of them),
+# test_compose.py one, test_image.py a quarter of one. (Alphabetically, the worker that took test_compose.py
+# then ran test_image.py with the compile test, while the other one idled for 80-90 s.) A new one goes last.
+IMAGE_FILES = ("test_container.py", "test_compose.py", "test_image.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The files with tests on the project's image run last: its build (minutes from cold) runs in the
-    background while the others run (tests/engine.py). There are three (test_compose, test_container,
-    test_image: their containers, volumes and compose projects have names of their own), so that at the end both
-    workers run the image's tests, rather than one alone for minutes while the other has nothing left."""
+    background while the others run (tests/engine.py). There are three (IMAGE_FILES: their containers, volumes
+    and compose projects have names of their own), so that at the end both workers run the image's tests,
+    rather than one alone for minutes while the other has nothing left."""
     image_files = {item.path for item in items if _uses_image(item)}
-    items.sort(key=lambda item: item.path in image_files)  # stable: the files keep their order
+
+    def last(item) -> tuple[bool, int]:
+        if item.path not in image_files:
+            return False, 0
+        name = item.path.name
+        return True, IMAGE_FILES.index(name) if name in IMAGE_FILES else len(IMAGE_FILES)
+
+    items.sort(key=last)  # stable: the files keep their order, a file's tests theirs
 
 
 @pytest.hookimpl(optionalhook=True)  # (a run without xdist: -p no:xdist)

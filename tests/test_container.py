@@ -1,7 +1,8 @@
 """`docker run` with the project's image, on a real Docker engine (tests/engine.py builds it with `make
 docker-build`): arguments reaching training, read-only as user 10001, `docker stop`/`docker start` resuming
-bitwise, a user's task file. What the image holds: tests/test_image.py; compose, several nodes:
-tests/test_compose.py."""
+bitwise, a user's task file, torch.compile building its kernels with the image's compiler (the longest of the
+image's files: tests/conftest.py hands it out first). What the image holds: tests/test_image.py; compose, several
+nodes: tests/test_compose.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import engine
-from tests.conftest import PACED, assert_same_training, latest_state, summary
+from tests.conftest import PACED, RESNET, assert_same_training, latest_state, summary
 from tests.engine import RUN_FLAGS, SMALL_TASK, SMALL_TASK_MOUNT, docker, logs, state, volume_path
 from tests.procs import logged_steps, wait_for
 
@@ -89,3 +90,16 @@ def test_the_example_user_task_trains_in_the_image(image, volume):
            "log.wandb.mode=disabled", "log.report=false", "run.dir=/runs/ex", timeout=600)
     s = summary(volume_path(volume) / "ex")
     assert s["steps"] == 40 and s["world_size"] == 2 and s["ranks_in_sync"] and "eval_mae" in s, s
+
+
+def test_torch_compile_in_the_image_on_cpu(image, volume):
+    """train.compile=true: inductor's CPU backend compiles C++ with the image's compiler, read-only root."""
+    docker("run", "--rm", *RUN_FLAGS, "-v", f"{volume}:/runs", "-e", "TORCHINDUCTOR_CACHE_DIR=/runs/c-inductor",
+           image, "--nproc-per-node", "1", "--",
+           "--config", "configs/default.yaml", *RESNET, "train.steps=3", "train.compile=true", "run.dir=/runs/c",
+           timeout=900)
+    run_dir = volume_path(volume) / "c"
+    assert summary(run_dir)["steps"] == 3
+    # Code was compiled: inductor's C++ kernels, built by the image's compiler, are in its cache.
+    built = list((volume_path(volume) / "c-inductor").rglob("*.so"))
+    assert built, sorted(p.name for p in (volume_path(volume) / "c-inductor").rglob("*"))[:20]

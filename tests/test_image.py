@@ -1,7 +1,8 @@
 """What the image (Dockerfile) holds. Without an engine: lint, the packages it installs, its conventions, what
 the build is sent. In the image built by a real Docker engine (tests/engine.py, `make docker-build`): CUDA torch,
-a compiler and the verbs libraries, torch.compile on the CPU, the doctor's transport row. `docker run` and
-`docker stop`/`start` with it: tests/test_container.py; compose, several nodes: tests/test_compose.py."""
+a compiler and the verbs libraries, the doctor's transport row. `docker run` and `docker stop`/`start` with it,
+torch.compile compiling with the image's compiler: tests/test_container.py; compose, several nodes:
+tests/test_compose.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 
 from tests import engine
 from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
-from tests.conftest import ROOT, summary
+from tests.conftest import ROOT
 from tests.engine import IMAGE_VERSION as VERSION
-from tests.engine import RUN_FLAGS, docker, volume_path
+from tests.engine import RUN_FLAGS, docker
 from tests.multinode import dockerfile_instructions, final_stage, image_exec, tool, workdir
 
 # The engine's fixtures: the image built by make docker-build, a fresh volume
@@ -136,19 +137,6 @@ def test_the_image_has_cuda_torch_a_compiler_and_the_verbs_libraries(image):
     assert gcc != "None" and gxx != "None" and headers == "True", proc.stdout
     env = json.loads(docker("image", "inspect", "-f", "{{json .Config.Env}}", image).stdout)
     assert "NVIDIA_VISIBLE_DEVICES=all" in env
-
-
-def test_torch_compile_in_the_image_on_cpu(image, volume):
-    """train.compile=true: inductor's CPU backend compiles C++ with the image's compiler, read-only root."""
-    docker("run", "--rm", *RUN_FLAGS, "-v", f"{volume}:/runs", "-e", "TORCHINDUCTOR_CACHE_DIR=/runs/c-inductor",
-           image, "--nproc-per-node", "1", "--",
-           "--config", "configs/default.yaml", *TINY, "train.steps=3", "train.compile=true", "run.dir=/runs/c",
-           timeout=900)
-    run_dir = volume_path(volume) / "c"
-    assert summary(run_dir)["steps"] == 3
-    # Code was compiled: inductor's C++ kernels, built by the image's compiler, are in its cache.
-    built = list((volume_path(volume) / "c-inductor").rglob("*.so"))
-    assert built, sorted(p.name for p in (volume_path(volume) / "c-inductor").rglob("*"))[:20]
 
 
 def test_the_doctor_in_the_image_reports_the_transport(image, volume):
