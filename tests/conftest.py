@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -248,21 +249,51 @@ def pytest_collection_finish(session):
 
 # Finished runs that several tests start from, made once per session (each launch costs ~5 s of imports
 # alone). Tests only read them; a test that changes a run works on its own copy (copy_run).
+def session_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1, tiny: bool = True) -> Path:
+    """A run to its end, made once per test session: under pytest-xdist by the first worker that needs it, in
+    the session's temporary folder that all the workers share, while the others wait for it (a lock)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        run_dir = tmp_path_factory.mktemp(name)
+        run_train(run_dir, *overrides, nproc=nproc, tiny=tiny)
+        return run_dir
+    shared = tmp_path_factory.getbasetemp().parent  # the workers' own folders are popen-gw0, popen-gw1, ...
+    run_dir = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        if not (run_dir / "summary.json").exists():  # written last: a run that failed half-way is made again
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_train(run_dir, *overrides, nproc=nproc, tiny=tiny)
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory) -> Path:
     """One process, TINY to its end (6 steps), checkpoints at steps 2, 4 and 6 (keep=3)."""
-    run_dir = tmp_path_factory.mktemp("finished_run")
-    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3")
-    return run_dir
+    return session_run(tmp_path_factory, "finished_run", "checkpoint.every=2", "checkpoint.keep=3")
 
 
 @pytest.fixture(scope="session")
 def finished_two_ranks(tmp_path_factory) -> Path:
     """Two ranks under torchrun (gloo), TINY to its end (6 steps), checkpoints at steps 2, 4 and 6, each followed by
     an evaluation."""
-    run_dir = tmp_path_factory.mktemp("finished_two_ranks")
-    run_train(run_dir, "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2", nproc=2)
-    return run_dir
+    return session_run(tmp_path_factory, "finished_two_ranks", "checkpoint.every=2", "checkpoint.keep=3",
+                       "train.eval_every=2", nproc=2)
+
+
+@pytest.fixture(scope="session")
+def finished_16_steps(tmp_path_factory) -> Path:
+    """Two ranks under torchrun, TINY for 16 steps (an epoch) uninterrupted, a checkpoint at the end: what the runs
+    stopped, killed or requeued on the way must end equal to (test_elastic.py, test_slurm.py: their pacing, periodic
+    saves and collective timeouts change no number)."""
+    return session_run(tmp_path_factory, "finished_16_steps", "train.steps=16", nproc=2)
+
+
+@pytest.fixture(scope="session")
+def finished_resnet18(tmp_path_factory) -> Path:
+    """finished_two_ranks with the built-in ResNet-18 (RESNET: TINY's sizes, torchvision's model): the golden
+    numbers (tests/test_golden.py), and the weights the export writes (test_checkpoint_format.py)."""
+    return session_run(tmp_path_factory, "finished_resnet18", *RESNET, "checkpoint.every=2", "checkpoint.keep=3",
+                       "train.eval_every=2", nproc=2, tiny=False)
 
 
 def copy_run(src: Path, dst: Path) -> Path:

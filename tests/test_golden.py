@@ -20,15 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import RESNET as RESNET_TINY
 from tests.conftest import metrics, run_train
 from tests.test_lm_train import run_lm
 
 GOLDEN = Path(__file__).with_name("golden.json")
 RTOL = 1e-4
-# The ResNet: RESNET_TINY on 2 ranks, evaluated every 2 steps. The language model: test_lm_train's (windows of 32
-# tokens, 2 ranks x 2 micro-steps of 4) in fp32, 4 layers of width 128.
-RESNET = ["checkpoint.every=0", "train.eval_every=2"]
+# The ResNet: conftest's finished_resnet18, RESNET on 2 ranks, evaluated (and saved: which changes no number, as
+# the last test shows) every 2 steps. The language model: test_lm_train's (windows of 32 tokens, 2 ranks x 2
+# micro-steps of 4) in fp32, 4 layers of width 128.
 LM = ["task.model=tiny", "train.precision=fp32", "train.steps=6", "train.log_every=1", "train.eval_every=3"]
 
 
@@ -53,11 +52,10 @@ def flat(numbers: dict, prefix: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def golden_runs(tmp_path_factory) -> dict[str, Path]:
+def golden_runs(tmp_path_factory, finished_resnet18) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("golden")
-    run_train(root / "resnet", *RESNET_TINY, *RESNET, nproc=2, tiny=False)
     run_lm(root / "lm", *LM)
-    return {"resnet": root / "resnet", "lm": root / "lm"}
+    return {"resnet": finished_resnet18, "lm": root / "lm"}
 
 
 def test_the_first_losses_of_the_resnet_and_the_language_model_are_the_golden_ones(golden_runs):
@@ -79,7 +77,7 @@ def test_an_evaluation_without_a_save_before_it_is_the_one_after_a_save(tmp_path
     gives every rank rank 0's BatchNorm statistics. The same run without those saves (only at the end) must
     still evaluate steps 2 and 4 with rank 0's statistics on both ranks (evaluate() syncs them), and give the
     same numbers; the saves change no loss."""
-    run_train(tmp_path, *RESNET, nproc=2)
+    run_train(tmp_path, "checkpoint.every=0", "train.eval_every=2", nproc=2)
     plain, saved = numbers(tmp_path), numbers(finished_two_ranks)
     assert plain["loss"] == saved["loss"]
     assert sorted(plain["eval"]) == sorted(saved["eval"]) == ["2", "4", "6"]

@@ -301,11 +301,13 @@ def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_p
     os.kill(second[1], signal.SIGKILL)
     rc, out, err = finish(proc)
     assert rc == 1, err[-3000:]
-    # torchrun names the rank it takes for the root cause: the killed rank 1, or rank 0, whose next collective
-    # failed in the same instant (seen in CI); either way the crash, not round 1's stop
+    # One line, the last: torchrun names the rank it takes for the root cause, the killed rank 1, or rank 0, whose
+    # next collective failed in the same instant (seen in CI); either way the crash, not round 1's stop, and the
+    # restarts spent
     last = err.strip().splitlines()[-1]
-    crash = r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up"
-    assert re.match(crash, last), err[-3000:]
+    crash = (r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up after 1 "
+             r"restart\(s\) \(--max-restarts=1\); see its log in the run directory")
+    assert re.fullmatch(crash, last), err[-3000:]
 
 
 def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_path):

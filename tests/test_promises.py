@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import PY, ROOT, after_import, clean_env, latest_state, metrics, run_train, summary, train_losses
 from tests.procs import environ, finish, kill_family, launch, wait_for, workers
+from train.launch.command import parse_args, resolve, torchrun_command
 
 # ---------------------------------------------------------------- the learning rate and AdamW
 
@@ -119,21 +120,25 @@ def test_debug_gives_the_workers_the_verbose_distributed_environment(tmp_path, h
         assert got["NCCL_DEBUG_FILE"] == str(tmp_path.resolve() / "logs" / "nccl.%h.%p.log"), got["NCCL_DEBUG_FILE"]
 
 
-def _dry_run(**env: str) -> str:
-    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--dry-run", "--", "--config",
-                           "configs/default.yaml"], cwd=ROOT, env=clean_env(**env), capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    (flag,) = [a for a in proc.stderr.split() if a.startswith("--shutdown-timeout=")]
+def _stop_budget(**env: str) -> str:
+    """--shutdown-timeout of the torchrun command the launcher composes from this environment (in this process:
+    the first case runs `python -m train.launch --dry-run`, which prints that command)."""
+    opts, train_args = parse_args(["--nproc-per-node=2", "--", "--config", "configs/default.yaml"])
+    (flag,) = [a for a in torchrun_command(resolve(opts, clean_env(**env)), train_args)
+               if a.startswith("--shutdown-timeout=")]
     return flag.split("=", 1)[1]
 
 
 def test_the_stop_budget_falls_back_to_torchruns_variables_with_stop_timeout_first():
-    assert _dry_run() == "30"
-    assert _dry_run(PET_SHUTDOWN_TIMEOUT="45") == "45"
-    assert _dry_run(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "50"
-    assert _dry_run(PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "45"
-    assert _dry_run(STOP_TIMEOUT="40", PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "40"
+    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--dry-run", "--", "--config",
+                           "configs/default.yaml"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--shutdown-timeout=30" in proc.stderr.split() and _stop_budget() == "30"
+    assert _stop_budget(PET_SHUTDOWN_TIMEOUT="45") == "45"
+    assert _stop_budget(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "50"
+    assert _stop_budget(PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "45"
+    assert _stop_budget(STOP_TIMEOUT="40", PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "40"
 
 
 # ---------------------------------------------------------------- ranks_in_sync

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PACED, PY, ROOT, TINY, clean_env, latest_state, metrics, run_train, summary
+from tests.conftest import PACED, PY, ROOT, TINY, clean_env, latest_state, metrics, summary
 from tests.hosts import Hosts
 from tests.hosts import _usable as hosts_unusable
 from tests.multinode import required
@@ -210,11 +210,9 @@ def same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The same run with local torchrun: 2 processes on this machine, uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_train(run_dir, *OVR, nproc=2)
-    return run_dir
+def reference(finished_16_steps) -> Path:
+    """The same run with local torchrun: 2 processes on this machine, uninterrupted (conftest.py)."""
+    return finished_16_steps
 
 
 @pytest.fixture

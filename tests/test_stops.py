@@ -65,8 +65,9 @@ def _log_sizes(run_dir: Path) -> dict[int, int]:
 
 def test_stop_signals_to_the_launcher_and_to_one_rank_segments_one_run_bitwise_equal_to_uninterrupted(
         tmp_path, reference):
-    """TERM, USR1 and USR2 to the launcher in turn, then TERM to rank 1 alone (one node's kubelet, one srun
-    task): each a checkpoint and exit 75, the relaunches continue, and the end equals the uninterrupted run:
+    """TERM, USR1 (SLURM's warning before a time limit) and USR2 to the launcher in turn, each passed on to the
+    workers as SIGTERM, then TERM to rank 1 alone (one node's kubelet, one srun task): each a checkpoint and exit
+    75 within a minute, the relaunches continue, and the end equals the uninterrupted run:
     weights, optimizer, every loss line. (INT and HUP to the launcher: test_launcher.py's Ctrl-C through
     `make train-local` and hang-up to the whole process group, each a checkpoint and 75 with its line.)
     The signal to one rank stops every rank at the same step with one save, by rank 0."""
@@ -84,11 +85,13 @@ def test_stop_signals_to_the_launcher_and_to_one_rank_segments_one_run_bitwise_e
             ranks = workers(proc.pid)
             assert sorted(ranks) == [0, 1], ranks
             os.kill(ranks[1], sig)
-        rc, out, err = finish(proc)
+        rc, out, err = finish(proc, timeout=60)
         assert rc == 75, f"{target} {sig.name}: exit {rc}\n{err[-3000:]}"
-        if target == "launcher":
-            assert f"launch: stopped on {sig.name}" in err and "Traceback" not in err, err[-3000:]
         marker = json.loads((tmp_path / "STOPPED").read_text())
+        if target == "launcher":  # torchrun's SignalException is the expected end of a stop, not news
+            assert f"launch: stopped on {sig.name}" in err and "Traceback" not in err, err[-3000:]
+            # the launcher passes any stop signal on to the workers as SIGTERM; rank 0's line reaches its stdout
+            assert f"stopped on SIGTERM at step {marker['step']}, checkpoint saved" in out, out[-3000:]
         assert marker["step"] == latest_state(tmp_path)["step"] > before
         logs = _rank_logs(tmp_path, sizes)  # this launch's lines
         saved = [int(re.search(r"at step (\d+), checkpoint saved", logs[r]).group(1)) for r in (0, 1)]
@@ -233,17 +236,18 @@ def test_more_sigterms_to_torchrun_do_not_lose_the_save(tmp_path):
 
 # ---------------------------------------------------------------- resume correctness
 
-@pytest.mark.parametrize("first", ["fp32", "bf16"])
-def test_resuming_with_fp16_starts_a_fresh_loss_scaler(tmp_path, first):
+def test_resuming_with_fp16_starts_a_fresh_loss_scaler(tmp_path):
+    """A checkpoint without a loss scaler (fp32's; bf16's is the same disabled scaler, saved as {}) resumed in
+    fp16 starts a fresh GradScaler; and back to fp32, which needs none."""
     small = ["task.image_size=8", "task.eval_samples=16"]  # half-precision convolutions are slow on CPU
-    run_train(tmp_path, *small, f"train.precision={first}", "train.steps=1")
+    run_train(tmp_path, *small, "train.precision=fp32", "train.steps=1")
     proc = run_train(tmp_path, *small, "train.precision=fp16", "train.steps=2")
     text = proc.stdout + proc.stderr
-    assert "Traceback" not in text and "starts a fresh GradScaler" in text
+    assert "Traceback" not in text and "was trained in fp32 (no loss scaler)" in text
+    assert "starts a fresh GradScaler" in text
     assert summary(tmp_path)["steps"] == 2 and latest_state(tmp_path)["scaler"]["scale"] > 0
-    if first == "fp32":  # and back (the same from either start): the scaler is not needed
-        proc = run_train(tmp_path, *small, "train.precision=fp32", "train.steps=3")
-        assert "Traceback" not in proc.stderr and summary(tmp_path)["steps"] == 3
+    proc = run_train(tmp_path, *small, "train.precision=fp32", "train.steps=3")
+    assert "Traceback" not in proc.stderr and summary(tmp_path)["steps"] == 3
 
 
 def test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing(tmp_path, finished_run):
