@@ -252,11 +252,9 @@ def pytest_collection_finish(session):
 def session_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1, tiny: bool = True) -> Path:
     """A run to its end, made once per test session: under pytest-xdist by the first worker that needs it, in
     the session's temporary folder that all the workers share, while the others wait for it (a lock)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        run_dir = tmp_path_factory.mktemp(name)
-        run_train(run_dir, *overrides, nproc=nproc, tiny=tiny)
-        return run_dir
-    shared = tmp_path_factory.getbasetemp().parent  # the workers' own folders are popen-gw0, popen-gw1, ...
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the workers' own folders are popen-gw0, popen-gw1, ...
     run_dir = shared / name
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies

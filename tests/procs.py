@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import PY, ROOT, TINY, clean_env, metrics, pacing
+from train.launch.command import parse_args, resolve, torchrun_command
 
 
 def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",), env: dict | None = None,
@@ -23,6 +24,13 @@ def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",), env
            *(pacing(overrides) if paced else ()), f"run.dir={run_dir}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+
+def launcher_command(argv: list[str], env: dict) -> list[str]:
+    """The torchrun command `python -m train.launch ARGV` composes from its arguments and `env` (what its --dry-run
+    prints), composed in this process as the launcher does (train/launch/command.py): no torch imported."""
+    opts, train_args = parse_args(argv)
+    return torchrun_command(resolve(opts, env), train_args)
 
 
 def children(pid: int) -> list[int]:

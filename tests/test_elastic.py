@@ -27,8 +27,7 @@ from tests.conftest import (
     train_losses,
 )
 from tests.multinode import free_port
-from tests.procs import children, finish, kill_family, wait_for
-from train.launch.command import parse_args, resolve, torchrun_command
+from tests.procs import children, finish, kill_family, launcher_command, wait_for
 
 # Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
 LONG = [*TINY, *PACED, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: acted on mid-run
@@ -242,8 +241,7 @@ def test_launcher_builds_one_command_line_from_arguments_or_environment():
     assert proc.returncode == 0, proc.stderr
 
     def dry(*args, **env):
-        opts, train_args = parse_args([*args, "--", "train.steps=3"])
-        return shlex.join(torchrun_command(resolve(opts, clean_env(**env)), train_args))
+        return shlex.join(launcher_command([*args, "--", "train.steps=3"], clean_env(**env)))
 
     assert proc.stderr.splitlines()[0] == "+ " + dry("--nproc-per-node=2")
     assert "--standalone" in dry("--nproc-per-node=2") and "--nproc-per-node=2" in dry("--nproc-per-node=2")

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import PY, ROOT, after_import, clean_env, latest_state, metrics, run_train, summary, train_losses
-from tests.procs import environ, finish, kill_family, launch, wait_for, workers
-from train.launch.command import parse_args, resolve, torchrun_command
+from tests.procs import environ, finish, kill_family, launch, launcher_command, wait_for, workers
 
 # ---------------------------------------------------------------- the learning rate and AdamW
 
@@ -123,9 +122,8 @@ def test_debug_gives_the_workers_the_verbose_distributed_environment(tmp_path, h
 def _stop_budget(**env: str) -> str:
     """--shutdown-timeout of the torchrun command the launcher composes from this environment (in this process:
     the first case runs `python -m train.launch --dry-run`, which prints that command)."""
-    opts, train_args = parse_args(["--nproc-per-node=2", "--", "--config", "configs/default.yaml"])
-    (flag,) = [a for a in torchrun_command(resolve(opts, clean_env(**env)), train_args)
-               if a.startswith("--shutdown-timeout=")]
+    cmd = launcher_command(["--nproc-per-node=2", "--", "--config", "configs/default.yaml"], clean_env(**env))
+    (flag,) = [a for a in cmd if a.startswith("--shutdown-timeout=")]
     return flag.split("=", 1)[1]
 
 
