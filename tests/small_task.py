@@ -7,7 +7,8 @@ this one's a few milliseconds. The tests about the built-in model itself (tests/
 test_fsdp.py's ResNet, the README's run) use `train.tasks.image` (conftest.RESNET).
 
 `task.step_delay_s` sleeps that long in each micro-step: a run whose steps must last while a test acts on it
-(a signal after step N, a kill mid-run) gets the wall time without using the CPU the other tests need.
+(a signal after step N, a kill mid-run) gets the wall time without using the CPU the other tests need;
+`task.eval_delay_s` does the same for each evaluation batch (a stop during a long evaluation).
 """
 
 import time
@@ -76,6 +77,7 @@ class SmallImages(ImageClassification):
     @dataclass
     class Config(ImageClassification.Config):
         step_delay_s: float = 0.0  # a sleep in each micro-step (see the module's docstring)
+        eval_delay_s: float = 0.0  # a sleep in each evaluation batch
 
     def check(self) -> None:
         super().check()
@@ -93,3 +95,8 @@ class SmallImages(ImageClassification):
         if self.cfg.step_delay_s:
             time.sleep(self.cfg.step_delay_s)
         return super().loss(model, batch)
+
+    def eval_step(self, model: nn.Module, batch) -> dict:
+        if self.cfg.eval_delay_s:
+            time.sleep(self.cfg.eval_delay_s)
+        return super().eval_step(model, batch)

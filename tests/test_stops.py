@@ -32,9 +32,8 @@ from tests.conftest import (
 from tests.procs import children, finish, kill_family, launch, logged_steps, wait_for, workers
 
 SEGMENTED = ["train.steps=30", "train.log_every=5"]  # stops land inside log windows of 5 steps
-# The built-in ResNet-18 (not TINY's small model), at 32 px: an evaluation of about 30 s on 2 CPU ranks.
-RESNET18 = [BUILT_IN, "task.image_size=32"]
-SLOW_EVAL = [*RESNET18, "task.eval_samples=4096"]
+# An evaluation of 30 s: 60 batches a rank, each with a sleep of 0.5 s (tests/small_task.py), which takes no CPU.
+SLOW_EVAL = ["task.eval_samples=960", "task.eval_delay_s=0.5"]
 
 
 def loss_lines(run_dir: Path) -> list[tuple[int, float]]:
@@ -137,7 +136,7 @@ def test_a_stop_during_a_slow_evaluation_does_not_wait_for_it(tmp_path):
     assert latest_state(tmp_path)["step"] == 2 and eval_steps(tmp_path) == []
     assert "stopped on SIGTERM at step 2, checkpoint saved (its evaluation runs after the resume)" in out
     # The relaunch evaluates step 2 before training on (a smaller evaluation set keeps this test short).
-    rc, out, err = finish(launch(tmp_path, *RESNET18, "train.steps=4", "train.eval_every=2"))
+    rc, out, err = finish(launch(tmp_path, "train.steps=4", "train.eval_every=2"))
     assert rc == 0, err[-3000:]
     assert eval_steps(tmp_path) == [2, 4] and logged_steps(tmp_path) == [1, 2, 3, 4]
 
@@ -153,13 +152,13 @@ def test_a_stop_at_the_last_step_is_finished_by_the_relaunch(tmp_path):
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     assert latest_state(tmp_path)["step"] == 3 and not (tmp_path / "summary.json").exists()
-    rc, out, err = finish(launch(tmp_path, *RESNET18, *OBSERVED, "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, *OBSERVED, "train.steps=3"))
     assert rc == 0, err[-3000:]
     assert "already complete" not in out and "done: 3 steps" in out
     s = summary(tmp_path)
     assert s["steps"] == 3 and s["wandb_run_id"] and (tmp_path / "report.png").stat().st_size > 0
     assert eval_steps(tmp_path) == [3] and logged_steps(tmp_path) == [1, 2, 3]
-    rc, out, err = finish(launch(tmp_path, *RESNET18, "train.steps=3"))
+    rc, out, err = finish(launch(tmp_path, "train.steps=3"))
     assert rc == 0 and "already complete at step 3" in out
 
 
