@@ -241,9 +241,9 @@ def pytest_collection_finish(session):
         return
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return  # one worker builds in the background; another one's image fixture waits for it (engine.py)
-    from tests import engine
+    from tests import engine, image_build
 
-    if engine.engine_problem() is None:  # without an engine the image fixture says why, in each test
+    if image_build.engine_problem() is None:  # without an engine the image fixture says why, in each test
         engine.start_build()
 
 

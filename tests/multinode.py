@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PY, ROOT, TINY
-
-DOCKERFILE = ROOT / "Dockerfile"
+from tests.image_build import dockerfile_instructions
 
 
 def required(what: str, reason: str) -> None:
@@ -37,24 +36,6 @@ def tool(name: str) -> str:
     if not found:
         required(name, "not installed: make dev (requirements-dev.txt) installs it")
     return found
-
-
-def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, buf = [], ""
-    for line in path.read_text().splitlines():
-        if not buf and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if buf and line.lstrip().startswith("#"):
-            continue
-        buf += line.rstrip()
-        if buf.endswith("\\"):
-            buf = buf[:-1] + " "
-            continue
-        word, _, rest = buf.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        buf = ""
-    return out
 
 
 def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:

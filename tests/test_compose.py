@@ -19,8 +19,8 @@ import yaml
 
 from tests import engine
 from tests.conftest import PACED, ROOT, latest_state, summary
-from tests.engine import IMAGE_VERSION as VERSION
 from tests.engine import SMALL_TASK, SMALL_TASK_VOLUME, docker, logs, state, volume_path
+from tests.image_build import IMAGE_VERSION as VERSION
 from tests.multinode import required, tool
 from tests.procs import logged_steps, wait_for
 

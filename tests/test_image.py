@@ -15,9 +15,10 @@ from pathlib import Path
 from tests import engine
 from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
 from tests.conftest import ROOT
-from tests.engine import IMAGE_VERSION as VERSION
 from tests.engine import RUN_FLAGS, docker
-from tests.multinode import dockerfile_instructions, final_stage, image_exec, tool, workdir
+from tests.image_build import IMAGE_VERSION as VERSION
+from tests.image_build import dockerfile_instructions
+from tests.multinode import final_stage, image_exec, tool, workdir
 
 # The engine's fixtures: the image built by make docker-build, a fresh volume
 image, volume = engine.image, engine.volume
