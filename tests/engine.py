@@ -24,7 +24,7 @@ RUN_FLAGS = ["--read-only", "--user", "10001", "--tmpfs", "/tmp:exec,mode=1777",
 # The image holds no tests/: the runs that stop, resume and restart train tests/small_task.py (the built-in image
 # task with its ResNet at a quarter of the width: steps of milliseconds, saves of 1 MB where ResNet-18's are 90),
 # mounted read-only as a user mounts a task file of theirs, its steps paced (conftest.PACED) where a test acts
-# on a run mid-way. (The image's own model trains in the compile and doctor runs.)
+# on a run mid-way. (The image's own models train in the doctor's run, the ResNet, and the compile run, the GPT.)
 SMALL_TASK_IN_IMAGE = "/task/small_task.py"
 SMALL_TASK_VOLUME = f"{ROOT / 'tests' / 'small_task.py'}:{SMALL_TASK_IN_IMAGE}:ro"  # docker run -v, compose volumes
 SMALL_TASK_MOUNT = ["-v", SMALL_TASK_VOLUME]
