@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RESNET, ROOT
-from tests.image_build import IMAGE, Missing, prepare_image
+from tests.image_build import IMAGE, Missing, prepare_image, run_docker
 from tests.multinode import required
 
 # How the tests run the image, as docs/containers.md shows it: a read-only root as user 10001, /tmp writable.
@@ -32,7 +32,7 @@ SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_IN_IMAGE}:SmallImages"]
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kw)
+    proc = run_docker(*args, timeout=timeout, **kw)
     if check:
         assert proc.returncode == 0, f"docker {' '.join(args)}: exit {proc.returncode}\n{proc.stdout[-3000:]}" \
                                      f"\n{proc.stderr[-3000:]}"

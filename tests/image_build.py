@@ -62,7 +62,7 @@ def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     return out
 
 
-def _docker(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+def run_docker(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -70,7 +70,7 @@ def engine_problem() -> str | None:
     """Why no engine can be used here, or None."""
     if not shutil.which("docker"):
         return "no docker command (.ci/run installs Debian's docker.io)"
-    proc = _docker("info", "--format", "{{.ServerVersion}}", timeout=60)
+    proc = run_docker("info", "--format", "{{.ServerVersion}}", timeout=60)
     if proc.returncode != 0:
         return f"no Docker daemon answers ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}); " \
                ".ci/run starts dockerd"
@@ -86,7 +86,7 @@ def base_image() -> str:
 
 
 def has_image(name: str) -> bool:
-    return _docker("image", "inspect", name).returncode == 0
+    return run_docker("image", "inspect", name).returncode == 0
 
 
 def make_standin_base(name: str) -> None:
@@ -112,7 +112,7 @@ def make_standin_base(name: str) -> None:
             changes.append("ENV PIP_CERT=/usr/local/share/ca-bundle.crt")
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         args = [a for c in changes for a in ("--change", c)]
-        imported = _docker("import", *args, "-", name, stdin=tar.stdout, timeout=600)
+        imported = run_docker("import", *args, "-", name, stdin=tar.stdout, timeout=600)
         tar.wait()
         if imported.returncode != 0:
             raise RuntimeError(f"docker import of the stand-in base failed: {imported.stderr}")
@@ -135,7 +135,7 @@ def prepare_image() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         base = base_image()
         if not has_image(base):  # a real registry first (a user's machine), else the stand-in
-            if _docker("pull", base, timeout=600).returncode != 0:
+            if run_docker("pull", base, timeout=600).returncode != 0:
                 make_standin_base(base)
         build_image()
 
