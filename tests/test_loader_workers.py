@@ -6,14 +6,20 @@ A worker forked from a rank that runs threads could hang in os.fork() before its
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import torch
+from torch.utils.data import Dataset
+
 from tests.conftest import PY, ROOT, after_import, clean_env, metrics, run_train, summary
 from tests.procs import children, descendants, status, wait_for
+from train import config
+from train.parallel.data import loaders
 from train.stops.markers import process_start
 
 # Steps cost almost nothing (8 px, 2 samples per rank), so that the loader starts dominate: every step
@@ -169,6 +175,25 @@ def _all_end(pids: set[int], after: str) -> None:
     while (left := [(p, _cmdline(p)[:90]) for p in pids if _running(p)]) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, f"still running 30 s after {after}: {left}"
+
+
+class CollectorState(Dataset):
+    """Each item: whether the process that reads it collects its garbage, and whether it froze what it started with."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([gc.isenabled(), gc.get_freeze_count() > 0])
+
+
+def test_a_loader_worker_collects_its_garbage_though_its_fork_server_does_not():
+    """The fork server imports torch with its collector off, for good (train/startup.py); a worker forked from it
+    turns its own back on (a user's data set that makes reference cycles would otherwise grow without bound),
+    torch's objects frozen (never walked)."""
+    cfg = config.load("configs/default.yaml", [*FAST, "train.micro_batch_size=1"])
+    _, evaluation = loaders(cfg, CollectorState(), CollectorState(), rank=0, world_size=1, cuda=False)
+    assert [batch.tolist() for batch in evaluation] == [[[True, True]]] * 4
 
 
 def test_a_bug_in_the_training_step_ends_the_run_with_its_traceback_not_a_hang(tmp_path):

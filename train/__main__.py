@@ -17,6 +17,7 @@ from pathlib import Path
 from train import config
 from train.config import parse_args
 from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError, say
+from train.startup import frozen_imports
 from train.stops import markers, signals
 
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         markers.forget_earlier_rounds(cfg.run_dir)
-        from train.parallel import distributed  # imports torch: only once the config is known to be good
+        with frozen_imports():  # torch: only once the config is known to be good
+            from train.parallel import distributed
 
         denv = distributed.detect()
         config.validate(cfg, denv.world_size)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
             return 0
-        from train import trainer
+        with frozen_imports():
+            from train import trainer
 
         return trainer.run(cfg, denv)
     except ConfigError as e:

@@ -16,20 +16,22 @@ import sys
 from train.config import make_run_dir
 from train.errors import EXIT_USAGE, ConfigError, say
 from train.launch.command import check_training_args, check_world
+from train.startup import frozen_imports
 
 
 def main(argv: list[str]) -> int | None:
-    try:
-        if "-m" in argv:  # torchrun's own options are all --name=value (command.py); without one: --help, say
-            cfg = check_training_args(argv[argv.index("-m") + 2:])
-            check_world(cfg, argv)
-            # Here, before any worker: one could not even leave its usage-error marker in an unwritable folder,
-            # and torchrun would restart it as a crash.
-            make_run_dir(cfg.run_dir)
-    except ConfigError as e:
-        say(f"error: {e}")
-        return EXIT_USAGE
-    from torch.distributed.run import main as torchrun
+    with frozen_imports():  # the task's module and torchrun import torch
+        try:
+            if "-m" in argv:  # torchrun's own options are all --name=value (command.py); without one: --help, say
+                cfg = check_training_args(argv[argv.index("-m") + 2:])
+                check_world(cfg, argv)
+                # Here, before any worker: one could not even leave its usage-error marker in an unwritable
+                # folder, and torchrun would restart it as a crash.
+                make_run_dir(cfg.run_dir)
+        except ConfigError as e:
+            say(f"error: {e}")
+            return EXIT_USAGE
+        from torch.distributed.run import main as torchrun
 
     return torchrun(argv)
 

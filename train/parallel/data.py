@@ -9,6 +9,7 @@ after them on resume, whatever the world size.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.forkserver
 import os
 import random
@@ -138,7 +139,12 @@ def _worker_init(worker_id: int) -> None:
 
     A worker also lets go of the fork server's "alive" pipe, which it inherits: the server ends when the
     last holder of that pipe does, and a worker watches its parent, the server. Held by the workers too,
-    a SIGKILL of the training process would leave the server and the workers waiting for each other."""
+    a SIGKILL of the training process would leave the server and the workers waiting for each other.
+
+    The server runs without a garbage collector (train.parallel.loader_server): the worker freezes torch's objects,
+    which it inherits (its collections never walk them, nor copy their pages), and turns its own collector on."""
+    gc.freeze()
+    gc.enable()
     ignore_stop_signals()
     fs = multiprocessing.forkserver._forkserver
     if getattr(fs, "_forkserver_alive_fd", None) is not None:

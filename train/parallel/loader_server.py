@@ -8,8 +8,13 @@ signal, checkpoints, and ends them. The server then preloads train.parallel.data
 worker, a fork of the server, starts without importing them. Imported by any other process, it changes no
 signal (the training process keeps its own handlers). It imports only train/stops/signals.py, which imports
 nothing but the standard library: it runs before torch is imported.
+
+It also turns the fork server's garbage collector off, for good: the server imports torch without collections
+(train/startup.py says what they cost), then only forks. Each worker freezes what it inherits and turns its own
+collector back on as it starts (train/parallel/data.py, _worker_init).
 """
 
+import gc
 import sys
 
 from train.stops.signals import ignore_stop_signals
@@ -24,3 +29,4 @@ def in_fork_server() -> bool:
 
 if in_fork_server():
     ignore_stop_signals(blocked=True)
+    gc.disable()
