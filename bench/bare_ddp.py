@@ -34,13 +34,13 @@ torch.manual_seed(cfg.seed)
 task = cfg.task_class(cfg.task, cfg.seed)
 train_set = data.SeededSamples(task.datasets()[0], cfg.seed)  # the trainer's per-sample seeding
 sampler = data.ShardSampler(train_set, world, rank, cfg.seed)
-loader = DataLoader(train_set, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True,
+loader = DataLoader(train_set, batch_size=cfg.micro_batches(world)[0], sampler=sampler, drop_last=True,
                     num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
 net = task.model()
 ddp = DDP(net, bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
           static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters)
 opt = optim.build(cfg.optim, net)
-assert cfg.accum_steps(world) == 1 and cfg.train.precision == "fp32", "the bare loop does the simple case only"
+assert len(cfg.micro_batches(world)) == 1 and cfg.train.precision == "fp32", "the bare loop does the simple case only"
 
 step, epoch, times = 0, 0, []
 while step < cfg.train.steps:

@@ -58,7 +58,7 @@ def test_config_round_trips_through_dict():
     (["optim.lr=-0.1"], "optim.lr must be > 0"),
     (["train.precision=fp8"], "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
     (["task.model=resnet19"], "did you mean 'resnet18'"),
-    (["train.global_batch_size=48", "train.micro_batch_size=32"], "must be a multiple of train.micro_batch_size"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size must be > 0"),
     (["checkpoint.keep=1"], "checkpoint.keep must be >= 2"),
     (["checkpoint.threads=0"], "checkpoint.threads must be >= 1"),
     (["task.data=cifar10"], "task.path is required"),
@@ -75,12 +75,14 @@ def test_bad_value_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides,
 
 
 def test_batch_must_divide_over_the_world_size(tmp_path):
-    """A torchrun environment of 3 ranks with a global batch of 64 = 32 x 2 is refused before any I/O."""
+    """A torchrun environment of 3 ranks with a global batch of 64 is refused before any I/O, naming the world
+    sizes and batch sizes that work."""
     env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
     proc = subprocess.run([PY, "-m", "train", f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "micro_batch_size x world size (32 x 3 = 96)" in proc.stderr
+    assert "train.global_batch_size=64 does not split evenly over 3 ranks" in proc.stderr
+    assert "run 2 or 4 ranks, or set train.global_batch_size=63 or 66" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 

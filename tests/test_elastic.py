@@ -280,10 +280,11 @@ def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
 
 
 def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried(tmp_path):
-    """16 samples per step cannot be split over 3 ranks of 8. A fixed world is checked by the launcher
+    """16 samples per step cannot be split evenly over 3 ranks. A fixed world is checked by the launcher
     before torchrun starts; an elastic one by the workers, whose usage error the launcher does not let
     torchrun retry."""
-    wrong = "error: train.global_batch_size (16) must be a multiple of train.micro_batch_size x world size (8 x 3 = 24)"
+    wrong = ("error: train.global_batch_size=16 does not split evenly over 3 ranks (each rank takes an equal share of "
+             "every step): run 2 or 4 ranks, or set train.global_batch_size=15 or 18 (a multiple of 3)")
     fixed = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=3", "--", "--config", "configs/default.yaml",
                             *TINY, f"run.dir={tmp_path / 'fixed'}"], cwd=ROOT, env=clean_env(), capture_output=True,
                            text=True, timeout=60)

@@ -59,8 +59,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    global_batch_size: int = 64  # over all ranks and micro-steps: the same run on any world size
-    micro_batch_size: int = 32  # per rank and forward pass; accumulation steps follow from the two
+    global_batch_size: int = 64  # samples a step over all ranks: the same run on any world size that divides it
+    micro_batch_size: int = 32  # at most this many a forward pass: a rank's share runs in the fewest such micro-batches
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 0.0  # max global grad norm, 0 disables
     log_every: int = 10
@@ -142,8 +142,14 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.run.dir or f"runs/{self.run.name}")
 
-    def accum_steps(self, world_size: int) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+    def micro_batches(self, world_size: int) -> list[int]:
+        """The sizes of a rank's micro-batches in one step: its share of the global batch (global / world size)
+        in the fewest forward passes of at most train.micro_batch_size, as even as can be (they differ by at
+        most one sample), so a compiled model sees one or two shapes."""
+        share = self.train.global_batch_size // world_size
+        n = -(-share // self.train.micro_batch_size)
+        size, extra = divmod(share, n)
+        return [size + 1] * extra + [size] * (n - extra)
 
 
 # ---------------------------------------------------------------- key names and (de)serialisation
@@ -374,15 +380,24 @@ def _validate_observability(cfg: Config) -> None:
     _require(p.active >= 1, f"profile.active must be >= 1, got {p.active}")
 
 
+def _batch_split_error(batch: int, world_size: int) -> str:
+    """The one line for a global batch that does not split evenly over the ranks, with the nearest fixes."""
+    below = max(w for w in range(1, world_size) if batch % w == 0)
+    above = next((w for w in range(world_size + 1, 2 * batch + 1) if batch % w == 0), None)
+    worlds = f"{below} or {above} ranks" if above else f"{below} ranks"
+    lower, higher = batch // world_size * world_size, (batch // world_size + 1) * world_size
+    batches = f"{lower} or {higher}" if lower else f"{higher}"
+    return (f"train.global_batch_size={batch} does not split evenly over {world_size} ranks (each rank takes an "
+            f"equal share of every step): run {worlds}, or set train.global_batch_size={batches} "
+            f"(a multiple of {world_size})")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Range checks; with world_size, also the batch arithmetic of that world."""
     t, d, o, c = cfg.train, cfg.data, cfg.optim, cfg.checkpoint
     _require(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
     _require(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
     _require(t.global_batch_size > 0, f"train.global_batch_size must be > 0, got {t.global_batch_size}")
-    _require(t.global_batch_size % t.micro_batch_size == 0,
-             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-             f"train.micro_batch_size ({t.micro_batch_size})")
     _require(t.log_every > 0, f"train.log_every must be > 0, got {t.log_every}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
@@ -414,7 +429,5 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                  f"train.activation_checkpointing: task {cfg.task_name} names no blocks to recompute "
                  "(define its blocks(model): see train/task.py)")
     if world_size is not None:
-        per_step = t.micro_batch_size * world_size
-        _require(t.global_batch_size % per_step == 0,
-                 f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                 f"train.micro_batch_size x world size ({t.micro_batch_size} x {world_size} = {per_step})")
+        if t.global_batch_size % world_size:
+            raise ConfigError(_batch_split_error(t.global_batch_size, world_size))

@@ -102,12 +102,14 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
     return {f"eval_{k}": float(v) for k, v in means.items()}
 
 
-def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Tensor:
-    """One optimizer step; returns the mean loss of this rank's micro-batches (a tensor: no sync)."""
+def train_step(parts: Parts, batches, sizes: list[int], meter: StepMeter) -> torch.Tensor:
+    """One optimizer step over micro-batches of `sizes` samples; returns the mean loss of this rank's share
+    of the step (a tensor: no sync)."""
     cfg = parts.cfg
     optim.set_lr(parts.optimizer, optim.lr_at(parts.step, cfg.train.steps, cfg.optim))
     total = torch.zeros((), device=parts.device)
-    for micro in range(accum):
+    accum, share, uneven = len(sizes), sum(sizes), len(set(sizes)) > 1
+    for micro, size in enumerate(sizes):
         with meter.waiting_for_data():
             batch = next(batches)
         batch = to_device(parts, batch)
@@ -119,7 +121,8 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
             if not (torch.is_tensor(loss) and loss.dim() == 0):
                 raise ConfigError(f"task {cfg.task_name}: loss() must return a scalar tensor, got "
                                   f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
-            loss = loss / accum
+            # Each micro-batch's mean loss weighted by its samples: the step's gradient is the mean over the share.
+            loss = loss * (size / share) if uneven else loss / accum
             parts.scaler.scale(loss).backward()
         total += loss.detach().float()
     if cfg.train.grad_clip > 0:
@@ -130,6 +133,14 @@ def train_step(parts: Parts, batches, accum: int, meter: StepMeter) -> torch.Ten
     parts.optimizer.zero_grad(set_to_none=True)
     parts.step += 1
     return total
+
+
+def _micro_steps(sizes: list[int]) -> str:
+    """'2 micro-batches of 12 samples', '3 micro-batches of 11, 11 and 10 samples'."""
+    n = len(sizes)
+    if len(set(sizes)) == 1:
+        return f"{n} micro-batch{'es' if n > 1 else ''} of {sizes[0]} sample{'s' if sizes[0] > 1 else ''}"
+    return f"{n} micro-batches of {', '.join(map(str, sizes[:-1]))} and {sizes[-1]} samples"
 
 
 def ranks_in_sync(parts: Parts) -> bool:
@@ -150,7 +161,7 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
 
     Returns the run's summary, or None when a stop signal ended it early (after a checkpoint)."""
     cfg, log = parts.cfg, parts.log
-    accum = cfg.accum_steps(parts.world_size)
+    sizes = parts.stream.sizes
     batches = iter(parts.stream)
     start_step, t_start = parts.step, time.perf_counter()
     parts.raw.train()
@@ -160,7 +171,7 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
     while parts.step < cfg.train.steps:
         if parts.eval_pending and _evaluate_and_log(parts, ckpt, meter) is None:
             return _stop(parts, ckpt)  # the evaluation a stop pre-empted, run before the next step
-        parts.window_loss += train_step(parts, batches, accum, meter)
+        parts.window_loss += train_step(parts, batches, sizes, meter)
         parts.window_steps += 1
         meter.step_done()
         step = parts.step
@@ -300,7 +311,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             log.info(f"run {cfg.run_dir} is already complete at step {parts.step}; nothing to do")
             return 0
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
-                 f"{cfg.accum_steps(denv.world_size)} micro-step(s) of {cfg.train.micro_batch_size} per rank, "
+                 f"{_micro_steps(cfg.micro_batches(denv.world_size))} per rank a step, "
                  f"run dir {cfg.run_dir}")
         whole, here = wrapping.parameter_counts(parts.raw)
         log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy})")

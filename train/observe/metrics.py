@@ -124,7 +124,7 @@ class StepMeter:
             except Exception as e:  # an estimate is not worth a failed run
                 parts.log.warning(f"FLOPs not counted ({type(e).__name__}: {e}); no MFU")
         prof = Profiler(cfg, rank, parts.step) if cfg.profile.enabled else None
-        samples = cfg.train.micro_batch_size * cfg.accum_steps(parts.world_size)
+        samples = sum(cfg.micro_batches(parts.world_size))
         return cls(parts.device, parts.world_size, samples, flops, peak, prof, parts.task.unit,
                    parts.task.units_per_sample())
 

@@ -10,6 +10,7 @@ after them on resume, whatever the world size.
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing.forkserver
 import os
 import random
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from train.config import Config, ConfigError
 from train.stops.signals import ignore_stop_signals
@@ -96,6 +97,25 @@ class ShardSampler(DistributedSampler):
         return (len(self.dataset) - self.start) // self.num_replicas
 
 
+class MicroBatches(Sampler[list]):
+    """A rank's keys, a micro-batch at a time: each step takes the next global batch of the epoch's
+    permutation, this rank's share of it (every world-size-th sample: ShardSampler) in micro-batches of
+    `sizes`. So a step is made of the same samples at any world size that divides the global batch, and an
+    epoch ends at a step boundary: the tail of fewer than one global batch is dropped."""
+
+    def __init__(self, sampler: ShardSampler, sizes: list[int]):
+        self.sampler, self.sizes = sampler, sizes
+
+    def __iter__(self):
+        keys = iter(self.sampler)
+        for _ in range(len(self.sampler) // sum(self.sizes)):
+            for size in self.sizes:
+                yield list(itertools.islice(keys, size))
+
+    def __len__(self) -> int:
+        return len(self.sampler) // sum(self.sizes) * len(self.sizes)
+
+
 @dataclass
 class TrainStream:
     """Endless micro-batches across epochs that knows its position for a checkpoint."""
@@ -103,6 +123,7 @@ class TrainStream:
     loader: DataLoader
     sampler: ShardSampler
     world_size: int
+    sizes: list[int]  # of a step's micro-batches on every rank (config.micro_batches)
     epoch: int = 0
     samples_in_epoch: int = 0  # global: over all ranks
 
@@ -110,8 +131,8 @@ class TrainStream:
         while True:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.samples_in_epoch
-            for batch in self.loader:
-                self.samples_in_epoch += self.loader.batch_size * self.world_size  # drop_last: always full
+            for k, batch in enumerate(self.loader):
+                self.samples_in_epoch += self.sizes[k % len(self.sizes)] * self.world_size
                 yield batch
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
@@ -194,10 +215,10 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
             raise ConfigError(f"task {cfg.task_name}: its {name} set has {n} samples, fewer than one per rank "
                               f"({world_size} ranks)")
     train_set, eval_set = SeededSamples(train_set, cfg.seed), SeededSamples(eval_set, cfg.seed)
-    d, micro = cfg.data, cfg.train.micro_batch_size
-    if len(train_set) < micro * world_size:
-        raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one micro-batch "
-                          f"on every rank ({micro} x {world_size})")
+    d, micro, sizes = cfg.data, cfg.train.micro_batch_size, cfg.micro_batches(world_size)
+    if len(train_set) < cfg.train.global_batch_size:
+        raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one step's "
+                          f"train.global_batch_size ({cfg.train.global_batch_size}): set a smaller one")
     # Every new loader iterator (each epoch, each evaluation) draws a worker seed from its generator:
     # from torch's global one unless given its own, which would shift what the training draws from it
     # (dropout, a user's augmentation) by a different amount in a resumed run than in an uninterrupted
@@ -208,11 +229,11 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
         opts |= {"persistent_workers": d.persistent_workers, "prefetch_factor": d.prefetch_factor,
                  "worker_init_fn": _worker_init, "multiprocessing_context": worker_context()}
     sampler = ShardSampler(train_set, world_size, rank, cfg.seed)
-    train = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **opts)
+    train = DataLoader(train_set, batch_sampler=MicroBatches(sampler, sizes), **opts)
     # Evaluation: every sample exactly once over all ranks (no padding), results all-reduced.
     eval_keys = [(i, 0) for i in range(rank, len(eval_set), world_size)]
     evaluation = DataLoader(eval_set, batch_size=micro, sampler=eval_keys, **(opts | {"persistent_workers": False}))
-    return TrainStream(train, sampler, world_size), evaluation
+    return TrainStream(train, sampler, world_size, sizes), evaluation
 
 
 def to_device(parts, batch):
