@@ -290,10 +290,13 @@ def from_dict(data: dict) -> Config:
 
 # ---------------------------------------------------------------- loading and validation
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m train",
+               description: str = "Train: `python -m train --config configs/X.yaml key.sub=value ...`, the one way to "
+                                  "start training (under torchrun, any launcher).") -> argparse.Namespace:
     """The command line of `python -m train` (train/__main__.py), which the launcher and the doctor take too."""
-    p = argparse.ArgumentParser(prog="python -m train", description="`python -m train --config configs/X.yaml "
-                                "key.sub=value ...`: the one way to start training.")
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                epilog="Every key, its default and what a relaunch does with a changed value: "
+                                       "docs/reference.md.")
     p.add_argument("--config", help="YAML file (default: configs/default.yaml)", default="configs/default.yaml")
     p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")

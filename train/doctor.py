@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     from train import config
     from train.config import ConfigError
 
-    args = config.parse_args(argv)
+    args = config.parse_args(argv, prog="python -m train.doctor", description=(
+        "Preflight doctor: is this world fit to train? Alone or under the launcher (python -m train.launch --doctor), "
+        "with the training config: every rank checks what it sees, rank 0 prints one table, exit 1 on a FAIL row."))
     try:
         cfg = config.load(args.config, args.overrides)
         from train.parallel import distributed

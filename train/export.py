@@ -46,7 +46,10 @@ WRITER = "python -m train.export"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = OneLineParser(prog="python -m train.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p = OneLineParser(prog="python -m train.export", description=(
+        "Write a checkpoint's model (the latest, or --step N) as one plain torch.save file (--format pt) or a Hugging "
+        "Face model folder that transformers' from_pretrained loads (--format hf), read on this one process "
+        "whatever the number of ranks that saved it. It never deletes or overwrites what it did not write."))
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoints/ folder)")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--format", choices=("pt", "hf"), default="pt",
