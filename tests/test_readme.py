@@ -271,6 +271,13 @@ def test_every_command_the_docs_show_is_real():
     for module, (code, text) in module_help(sorted(options)).items():
         if code != 0:
             problems.append(f"`python -m {module} --help` exits {code}: {text[-300:]}")
+        if module == "train.launch.torchrun":  # torchrun's own process: torchrun's help
+            continue
+        if not text.startswith(f"usage: python -m {module} "):
+            problems.append(f"`python -m {module} --help` prints another's usage: {text[:80]!r}")
+        about = re.split(r"\n\n(?:positional arguments|options):", text)[0].split("\n\n")[-1].strip()
+        if not about.endswith((".", ")")) or about.startswith("usage:"):
+            problems.append(f"`python -m {module} --help`: its description is not whole: {about[-80:]!r}")
         problems += [f"`python -m {module}` has no option {o} (docs show it)" for o in sorted(options[module])
                      if not re.search(rf"(?<![\w-]){o}(?![\w-])", text)]
     problems += link_problems() + layout_problems()
