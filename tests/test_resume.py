@@ -499,3 +499,21 @@ def test_the_resume_table_names_real_tests():
                 tree = ast.parse((ROOT / "tests" / file).read_text())
                 defined[file] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
             assert name in defined[file], f"RESUME_CASES names {test}, which does not exist"
+
+
+def test_a_relaunch_with_more_steps_and_other_optimizer_values_applies_them_and_says_so(finished_run, tmp_path):
+    """A finished 6-step run relaunched with train.steps=8 and another weight decay and momentum: the two steps
+    train with the new values (the checkpoint's hyper-parameters would otherwise win: torch restores them with
+    the optimizer's state), and one log line names each change and the learning rate the schedule gives now."""
+    run = copy_run(finished_run, tmp_path / "run")
+    proc = run_train(run, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8", "optim.weight_decay=0.002",
+                     "optim.momentum=0.8")
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "relaunch with" in line]
+    assert len(said) == 1, proc.stdout + proc.stderr
+    assert ("relaunch with train.steps 6 -> 8, optim.momentum 0.9 -> 0.8, optim.weight_decay 0.0005 -> 0.002: "
+            "applied from step 6; the learning rate is ") in said[0], said[0]
+    state = latest_state(run)
+    assert state["step"] == 8
+    groups = state["optimizer"]["param_groups"]
+    assert groups[0]["weight_decay"] == 0.002 and groups[1]["weight_decay"] == 0.0, groups
+    assert {g["momentum"] for g in groups} == {0.8}, groups
