@@ -472,5 +472,7 @@ def schedule_change(cfg: Config, theirs: dict, step: int) -> str | None:
         was = ""
     now = optim.lr_at(step, cfg.train.steps, cfg.optim)
     end = cfg.optim.lr * cfg.optim.min_lr_ratio
+    warm = (f"warming up to {cfg.optim.lr:.4g} at step {cfg.optim.warmup_steps}, then "
+            if step < cfg.optim.warmup_steps else "")
     return (f"relaunch with {what}: applied from step {step}; the learning rate is {now:.4g} there{was}, "
-            f"following warm-up and cosine decay to {end:.4g} at step {cfg.train.steps}")
+            f"{warm}decaying (cosine) to {end:.4g} at step {cfg.train.steps}")
