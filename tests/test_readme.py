@@ -282,3 +282,19 @@ def test_every_command_the_docs_show_is_real():
                      if not re.search(rf"(?<![\w-]){o}(?![\w-])", text)]
     problems += link_problems() + layout_problems()
     assert not problems, "\n".join(problems)
+
+
+def test_the_configuration_reference_is_the_code_s_every_key():
+    """docs/reference.md is what `python -m train.reference` writes from the dataclasses and the built-in tasks'
+    Configs: every key there (none missing, none left over), each with a meaning; `--check` says when it drifts."""
+    from train import config, reference
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    assert text == reference.page(), "docs/reference.md is out of date: python -m train.reference > docs/reference.md"
+    rows = re.findall(r"^\| `([\w.]+)` \| `[^`]*` \| ([^|]*) \|", text, re.M)
+    listed = {k for k, _ in rows}
+    assert {k for k, _, _ in reference.keys(config.Config)} <= listed and "checkpoint.async" in listed
+    assert not [k for k, meaning in rows if not meaning.strip()], "keys without a meaning (a comment on their line)"
+    proc = subprocess.run([PY, "-m", "train.reference", "--check"], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

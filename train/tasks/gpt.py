@@ -56,7 +56,7 @@ class LanguageModel(Task):
         n_head: int = 0  # 0: the preset's
         n_embd: int = 0  # 0: the preset's
         vocab_size: int = 0  # 0: the preset's for shards (gpt2 50257, tiny/nano 256 bytes); builtin: 64
-        dropout: float = 0.0
+        dropout: float = 0.0  # dropout probability in the blocks (0: none)
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
         init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
