@@ -58,6 +58,27 @@ def test_make_train_local_on_a_fresh_copy(tmp_path):
     assert summary["eval_accuracy"] == pytest.approx(promised, abs=0.03), summary
     assert summary["world_size"] == 2 and summary["ranks_in_sync"] is True, summary
     print(f"make train-local: {summary}")
+    # docs/first-hour.md shows this job's console output: each of its lines is one this run printed, in order,
+    # but for the numbers (times, losses, rates) and the interpreter's folder.
+    assert not missing_lines(FIRST_HOUR.read_text(), proc.stdout + proc.stderr)
+
+
+FIRST_HOUR = ROOT / "docs" / "first-hour.md"
+
+
+def missing_lines(page: str, printed: str) -> list[str]:
+    """The lines of a page's console block (the one that starts with the launcher's command) that `printed` does not
+    hold in that order, numbers aside."""
+    shown = re.search(r"```\n(\.venv/bin/python -m train\.launch .*?)```", page, re.S).group(1).splitlines()
+    out, missing = iter(printed.splitlines()), []
+    for line in shown:
+        parts = re.split(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)", line)
+        shape = "".join(r"[\d.e+-]+" if i % 2 else re.escape(p) for i, p in enumerate(parts))
+        shape = shape.replace(re.escape(".venv/"), r"\S*\.venv/")  # torchrun's line names the venv by its full path
+        if not any(re.search(shape, o) for o in out):
+            missing.append(line)
+            out = iter(printed.splitlines())
+    return missing
 
 
 # ---------------------------------------------------------------- every command the docs show
