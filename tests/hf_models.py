@@ -74,3 +74,28 @@ def tiny_tokenizer(folder: Path, vocab: int = 128) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[1]}))
     return folder
+
+
+def word_tokenizer(folder: Path, vocab: int, specials: list[str], bos: str | None, eos: str | None,
+                   chat_template: str = "") -> Path:
+    """A word-level tokenizer of exactly `vocab` tokens (specials first, then words w0, w1, ... split at spaces and
+    punctuation, decoded joined by spaces), a Llama-style <bos> $A post-processor where `bos` is set: tokenizer.json and
+    the tokenizer_config.json (bos/eos tokens, the chat template) that transformers' AutoTokenizer reads."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    words = {t: i for i, t in enumerate(specials)} | {f"w{i}": len(specials) + i for i in range(vocab - len(specials))}
+    tok = Tokenizer(models.WordLevel(words, unk_token=specials[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, words[bos])])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab
+    return folder

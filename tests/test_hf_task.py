@@ -221,10 +221,11 @@ def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_and_refuses_what_uint16_cannot_hold(tmp_path):
-    """--tokenizer PATH (a model folder or its tokenizer.json): each file encoded whole as the tokenizer does it (its
-    post-processor's <|begin_of_text|> first); a vocabulary beyond uint16, or a file that is no tokenizer: one line,
-    exit 2, nothing written."""
+def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_with_documents_kept_apart(tmp_path, monkeypatch):
+    """--tokenizer PATH (a model folder or its tokenizer.json): each file its post-processor's <|begin_of_text|>, its
+    tokens, then the tokenizer's <|end_of_text|> (tokenizer_config.json's eos_token); read in blocks of 64 characters,
+    4 encoded at a time, the tokens are those of the whole text; a file that is no tokenizer, or one without an
+    end-of-text token: one line, exit 2, nothing written."""
     from tokenizers import Tokenizer, models
 
     from train import prepare as prepare_cmd
@@ -235,21 +236,77 @@ def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_and_refuses_what_u
     texts = [hf_models.TEXT * 3, "the lazy dog saves nine. " * 20]
     for i, text in enumerate(texts):
         (tmp_path / "in" / f"{i}.txt").write_text(text)
+    monkeypatch.setattr(prepare_cmd, "BLOCK_CHARS", 64)
+    monkeypatch.setattr(prepare_cmd, "BATCH", 2)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for i, where in enumerate((folder, folder / "tokenizer.json")):
         assert prepare_cmd.main([str(tmp_path / "in"), str(tmp_path / f"out{i}"), "--tokenizer", str(where)]) == 0
         back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
                 for p in sorted((tmp_path / f"out{i}").glob(f"in_{split}_*.bin"))]
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        assert sum(back, []) == [t for text in texts for t in tok.encode(text).ids]
+        assert sum(back, []) == [t for text in texts for t in [*tok.encode(text).ids, 1]]  # 1: <|end_of_text|>
         assert back[0][0] == 0  # <|begin_of_text|>
+        assert tok.decode(sum(back, []), skip_special_tokens=False) == "".join(
+            f"<|begin_of_text|>{text}<|end_of_text|>" for text in texts)
 
-    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
-    big.save(str(tmp_path / "big.json"))
+    bare = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    bare.save(str(tmp_path / "bare.json"))
     (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
-    for where, words in ((tmp_path / "big.json", "has a vocabulary of 70000 tokens; shards hold uint16 token ids"),
+    for where, words in ((tmp_path / "bare.json", "has no end-of-text token to put between documents"),
                          (tmp_path / "bad.json", "does not read as a Hugging Face tokenizer")):
         proc = subprocess.run([PY, "-m", "train.prepare", str(tmp_path / "in"), str(tmp_path / "o"), "--tokenizer",
                                str(where)], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_128256_token_vocabulary_prepares_uint32_shards_that_both_tasks_train_on(tmp_path):
+    """Llama 3's vocabulary size: prepare writes llm.c's llama-3 shards (magic 20240801, version 7, uint32), whose
+    tokens decode back to the text, ids over 65535 included; the built-in GPT and a Llama of that vocabulary train on
+    them a few steps; nanoGPT's uint16 format is refused in one line."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    vocab = 128_256
+    model = hf_models.tiny_llama(tmp_path / "model", vocab=vocab, tokenizer=False)
+    hf_models.word_tokenizer(model, vocab, ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|>",
+                             "<|end_of_text|>")
+    rng = np.random.default_rng(0)
+    (tmp_path / "in").mkdir()
+    texts = [" ".join(f"w{i}" for i in rng.integers(0, vocab - 2, n)) for n in (1500, 700)]
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"{i}.txt").write_text(text)
+    out = tmp_path / "shards"
+    assert prepare_cmd.main([str(tmp_path / "in"), str(out), "--tokenizer", str(model)]) == 0
+    header = np.fromfile(out / "in_train_000000.bin", dtype="<i4", count=256)
+    assert header[:2].tolist() == [20240801, 7]
+    back = [shards.open_shard(p) for split in ("train", "val") for p in sorted(out.glob(f"in_{split}_*.bin"))]
+    assert all(s.dtype == np.dtype("<u4") for s in back)
+    ids = np.concatenate([s.tokens() for s in back])
+    assert len(ids) == 1500 + 700 + 4 and ids.max() > 2**16
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    assert tok.decode(ids.tolist(), skip_special_tokens=False) == " ".join(
+        f"<|begin_of_text|> {text} <|end_of_text|>" for text in texts)
+
+    few = ["train.steps=2", "train.eval_every=2", "checkpoint.every=0"]
+    gpt = [PY, "-m", "train", "--config", "configs/gpt.yaml", f"task.data={out}", f"task.vocab_size={vocab}",
+           "task.model=nano", "task.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
+           "data.num_workers=0", "train.log_every=1", "log.wandb.mode=disabled", "log.report=false",
+           f"run.dir={tmp_path / 'gpt'}", *few]
+    for cmd in (gpt, [PY, "-m", "train", *HF, f"task.path={model}", f"task.data={out}", f"run.dir={tmp_path / 'hf'}",
+                      "train.global_batch_size=4", "dist.strategy=ddp", *few]):
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for run in (tmp_path / "gpt", tmp_path / "hf"):
+        losses = train_losses(run)
+        assert len(losses) == 2 and all(10 < v < 13 for v in losses.values()), losses  # about ln(128256) = 11.76
+
+    proc = subprocess.run([PY, "-m", "train.prepare", str(tmp_path / "in"), str(tmp_path / "o"), "--tokenizer",
+                           str(model), "--format", "nanogpt"], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "more than nanoGPT's uint16 files hold" in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()

@@ -49,7 +49,7 @@ class LanguageModel(Task):
     class Config:
         data: str = "builtin"  # builtin, or llm.c/nanoGPT shards: a folder, a .bin file or a glob
         eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
-        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         model: Literal["gpt2", "tiny", "nano"] = "tiny"  # a preset of train/tasks/gpt_model.py
         seq_len: int = 0  # tokens per window; 0: the preset's block size (gpt2 1024, tiny 128, nano 64)
         n_layer: int = 0  # 0: the preset's
@@ -123,8 +123,6 @@ class LanguageModel(Task):
             for key in ("train_tokens", "eval_tokens"):
                 if getattr(c, key) <= self.seq_len():
                     raise ConfigError(f"task.{key} must be > seq_len ({self.seq_len()}), got {getattr(c, key)}")
-        elif g.vocab_size > 2**16:
-            raise ConfigError(f"task.vocab_size: shards hold uint16 token ids (< 65536), got {g.vocab_size}")
         if c.eval_data and c.data == "builtin":
             raise ConfigError("task.eval_data is for shards; the builtin corpus has its own evaluation split")
 

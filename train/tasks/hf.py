@@ -65,7 +65,7 @@ class CausalLM(Task):
         path: str = ""  # the Hugging Face model folder: config.json, *.safetensors (its tokenizer beside)
         data: str = ""  # shards made with the model's tokenizer: a folder, a .bin file or a glob (*train*, *val*)
         eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
-        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         seq_len: int = 1024  # tokens per window (at most the model's max_position_embeddings)
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
 

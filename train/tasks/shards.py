@@ -1,10 +1,14 @@
 """Token shards on disk, in the two formats people have, and the windows a language model trains on.
 
-- llm.c: a header of 256 int32 (magic 20240520, version 1, the number of tokens, then zeros), then the
-  tokens as uint16. The format of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...) for GPT-2. The
-  other files of that family are refused by name: its llama-3 shards (magic 20240801, version 7, uint32
-  tokens) and its evaluation files (magic 20240522: HellaSwag/MMLU examples, not a token stream).
+- llm.c: a header of 256 int32 (magic, version, the number of tokens, then zeros), then the tokens: magic
+  20240520 version 1 for uint16 tokens (GPT-2's), magic 20240801 version 7 for uint32 (Llama 3's, and any
+  vocabulary over 65536): the formats of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...). Its
+  evaluation files are refused by name (magic 20240522: HellaSwag/MMLU examples, not a token stream).
 - nanoGPT: the tokens as bare uint16, nothing else (its data/*/prepare.py: train.bin, val.bin).
+
+A shard may have a loss mask beside it (python -m train.prepare --chat): NAME.mask for NAME.bin, one byte a
+token: bit 0 set where the token counts in the loss as a target (the assistant's), bit 1 where a conversation
+starts. Masked shards are read as MaskedWindows: each conversation in windows of its own.
 
 Shards are memory-mapped, never read whole: a TokenWindows holds only paths and lengths (it pickles in
 microseconds to every loader worker) and each process opens its memory maps on first access. A malformed
@@ -34,24 +38,34 @@ from torch.utils.data import Dataset
 
 from train.config import ConfigError
 
-MAGIC, VERSION = 20240520, 1
-# llm.c's other headers (its dev/data/data_common.py): a shard of them read as bare uint16 would be garbage.
-OTHER_MAGICS = {20240801: "a llama-3 token shard (llm.c's magic 20240801, version 7, uint32 tokens)",
-                20240522: "an evaluation file (llm.c's magic 20240522: HellaSwag/MMLU examples, not a token stream)"}
+MAGIC, VERSION = 20240520, 1  # llm.c's gpt-2 shards: uint16 tokens
+MAGIC32, VERSION32 = 20240801, 7  # llm.c's llama-3 shards: uint32 tokens
+# llm.c's other header (its dev/data/data_common.py): a file of it read as bare uint16 would be garbage.
+OTHER_MAGICS = {20240522: "an evaluation file (llm.c's magic 20240522: HellaSwag/MMLU examples, not a token stream)"}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-TOKEN = np.dtype("<u2")  # both formats: little-endian uint16 (vocabularies up to 65536)
+TOKEN = np.dtype("<u2")  # nanoGPT's and llm.c's gpt-2 shards: little-endian uint16 (vocabularies up to 65536)
+TOKEN32 = np.dtype("<u4")  # llm.c's llama-3 shards: little-endian uint32
 Format = Literal["auto", "llmc", "nanogpt"]
+MASK = ".mask"  # the loss mask beside a shard: uint8 a token
+COUNTS, STARTS = 1, 2  # a mask byte's bits: the token counts in the loss (as a target); a conversation starts
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest token type llm.c has for a vocabulary: uint16 up to 65536 tokens, else uint32."""
+    return TOKEN if vocab_size <= 2**16 else TOKEN32
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
 class Shard:
-    """Where a shard's tokens are: `count` uint16 from byte `offset` of `path`, or an in-memory `array`."""
+    """Where a shard's tokens are: `count` tokens of type `dtype` from byte `offset` of `path`, or an in-memory
+    `array`."""
 
     path: str
     offset: int
     count: int
     array: np.ndarray | None = None  # the built-in corpus: no file
+    dtype: np.dtype = TOKEN
 
     @classmethod
     def of_array(cls, tokens: np.ndarray, name: str) -> Shard:
@@ -60,20 +74,36 @@ class Shard:
     def tokens(self) -> np.ndarray:
         if self.array is not None:
             return self.array
-        return np.memmap(self.path, dtype=TOKEN, mode="r", offset=self.offset, shape=(self.count,))
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.count,))
+
+    def mask_path(self) -> Path | None:
+        """The loss mask beside the shard (NAME.mask), None where there is none."""
+        if self.array is not None:
+            return None
+        path = Path(self.path).with_suffix(MASK)
+        return path if path.is_file() else None
 
 
-def write_shard(path: str | Path, tokens: np.ndarray, fmt: Literal["llmc", "nanogpt"] = "llmc") -> None:
-    """Write one shard. Token ids must fit uint16 (the GPT-2 encoding's 50257 do)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must be in [0, 65535] to be stored as uint16")
+def header(count: int, dtype: np.dtype) -> bytes:
+    """llm.c's 1024-byte header for `count` tokens of `dtype` (uint16: gpt-2's, uint32: llama-3's)."""
+    h = np.zeros(HEADER_INTS, dtype="<i4")
+    h[:3] = (MAGIC, VERSION, count) if np.dtype(dtype) == TOKEN else (MAGIC32, VERSION32, count)
+    return h.tobytes()
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, fmt: Literal["llmc", "nanogpt"] = "llmc",
+                dtype: np.dtype = TOKEN) -> None:
+    """Write one shard, its tokens as `dtype`: uint16 (the GPT-2 encoding's 50257 fit), or uint32 (llm.c's
+    llama-3 format; nanoGPT's has no header to say so, and stays uint16)."""
+    tokens, dtype = np.asarray(tokens), np.dtype(dtype)
+    if fmt == "nanogpt" and dtype != TOKEN:
+        raise ValueError(f"{path}: nanoGPT's bare format holds uint16 tokens only")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{path}: token ids must be in [0, {np.iinfo(dtype).max}] to be stored as {dtype.name}")
     with open(path, "wb") as f:
         if fmt == "llmc":
-            header = np.zeros(HEADER_INTS, dtype="<i4")
-            header[:3] = MAGIC, VERSION, len(tokens)
-            f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN).tobytes())
+            f.write(header(len(tokens), dtype))
+        f.write(tokens.astype(dtype).tobytes())
 
 
 def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
@@ -86,12 +116,11 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
             head = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4", count=min(size, HEADER_BYTES) // 4)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the shard ({e.strerror or e})") from None
-    has_magic = len(head) > 0 and head[0] == MAGIC
+    has_magic = len(head) > 0 and int(head[0]) in (MAGIC, MAGIC32)
     if fmt != "nanogpt" and len(head) > 0 and int(head[0]) in OTHER_MAGICS:
         bare = "" if fmt == "llmc" else "; a bare uint16 file that starts so: set task.format=nanogpt"
-        raise ConfigError(f"{path}: {OTHER_MAGICS[int(head[0])]}; this trainer reads GPT-2's uint16 shards "
-                          f"(magic 20240520): tokenize for GPT-2 (llm.c's --model_desc gpt-2, or python -m "
-                          f"train.prepare){bare}")
+        raise ConfigError(f"{path}: {OTHER_MAGICS[int(head[0])]}; this trainer reads token shards (llm.c's "
+                          f"magic 20240520 or 20240801): make them with python -m train.prepare{bare}")
     if fmt == "nanogpt" or (fmt == "auto" and not has_magic):
         if size % 2:
             raise ConfigError(f"{path}: {size} bytes is not a whole number of uint16 tokens: truncated, or not "
@@ -99,19 +128,21 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
         return Shard(path, 0, size // 2)
     if not has_magic:
         found = head[0] if len(head) else "nothing"
-        raise ConfigError(f"{path}: bad magic number {found}, not an llm.c shard (20240520); "
+        raise ConfigError(f"{path}: bad magic number {found}, not an llm.c shard (20240520 or 20240801); "
                           "for nanoGPT's bare uint16 files set task.format=nanogpt or auto")
     if len(head) < HEADER_INTS:
         raise ConfigError(f"{path}: truncated: {size} bytes, shorter than llm.c's 1024-byte header")
-    if head[1] != VERSION:
-        raise ConfigError(f"{path}: llm.c shard version {head[1]}, expected {VERSION} (uint16 tokens)")
+    magic, (version, dtype) = int(head[0]), ((VERSION, TOKEN) if head[0] == MAGIC else (VERSION32, TOKEN32))
+    if head[1] != version:
+        raise ConfigError(f"{path}: llm.c shard version {head[1]} with magic {magic}, expected {version} "
+                          f"({dtype.itemsize * 8}-bit tokens)")
     count = int(head[2])
-    expected = HEADER_BYTES + 2 * count
+    expected = HEADER_BYTES + dtype.itemsize * count
     if size != expected:
         what = "truncated" if size < expected else "has trailing bytes"
         raise ConfigError(f"{path}: {what}: its header says {count} tokens ({expected} bytes), the file has "
                           f"{size} bytes; write it again (python -m train.prepare)")
-    return Shard(path, HEADER_BYTES, count)
+    return Shard(path, HEADER_BYTES, count, dtype=dtype)
 
 
 TOKEN_MAX = ".token_max.json"  # {file name: [size, mtime_ns, largest token id]}, one per folder of shards
