@@ -310,3 +310,96 @@ def test_a_128256_token_vocabulary_prepares_uint32_shards_that_both_tasks_train_
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "more than nanoGPT's uint16 files hold" in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def chats(path: Path, conversations: list[list[tuple[str, str]]]) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) + "\n"
+                            for conv in conversations))
+    return path
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_chat_prepare_masks_the_assistant_turns_through_the_tokenizers_own_template(tmp_path, style):
+    """--chat renders each conversation with the tokenizer's chat template (a Llama-3-style and a ChatML-style one,
+    neither with {% generation %} markers): the mask beside the shards counts the assistant's tokens and the end of
+    each of its turns, nothing else; the windows hold one conversation each (a longer one split at window boundaries,
+    still masked), padded, the targets that do not count IGNORE."""
+    import numpy as np
+
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    folder = hf_models.chat_tokenizer(tmp_path / "model", style)
+    conv = [("system", "w1 w2"), ("user", "w3 w4 w5"), ("assistant", "w6 w7"), ("user", "w8"), ("assistant", "w9")]
+    long = [("user", " ".join(f"w{i}" for i in range(40))), ("assistant", " ".join(f"w{i}" for i in range(100, 140)))]
+    data = chats(tmp_path / "chats.jsonl", [conv] * 6 + [long] + [conv] * 3)
+    assert prepare_cmd.main([str(data), str(tmp_path / "out"), "--tokenizer", str(folder), "--chat",
+                             "--val-fraction", "0.2"]) == 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "chats_train_000000.bin", "chats_train_000000.mask", "chats_val_000000.bin", "chats_val_000000.mask"]
+    tokens = np.concatenate([shards.open_shard(out / f"chats_{s}_000000.bin").tokens() for s in ("train", "val")])
+    mask = np.concatenate([np.fromfile(out / f"chats_{s}_000000.mask", np.uint8) for s in ("train", "val")])
+    transformers = hf_models.transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = lambda text: tok.convert_tokens_to_ids(text.split())  # noqa: E731
+    if style == "llama3":
+        turn = lambda role, text, *, counted=False: [(t, False) for t in ids(  # noqa: E731
+            f"<|start_header_id|> {role} <|end_header_id|>")] + [(t, counted) for t in ids(f"{text} <|eot_id|>")]
+        first = [(ids("<|begin_of_text|>")[0], False)]
+    else:
+        turn = lambda role, text, *, counted=False: [(t, False) for t in ids(f"<|im_start|> {role}")] + [  # noqa: E731
+            (t, counted) for t in ids(f"{text} <|im_end|>")]
+        first = []
+    expect = []
+    for c in [conv] * 6 + [long] + [conv] * 3:
+        one = first + [x for role, text in c for x in turn(role, text, counted=role == "assistant")]
+        expect += [(t, int(counted) | (2 if i == 0 else 0)) for i, (t, counted) in enumerate(one)]
+    assert list(zip(tokens.tolist(), mask.tolist(), strict=True)) == expect
+
+    seq_len = 16
+    train = shards.MaskedWindows([shards.open_shard(out / "chats_train_000000.bin")], seq_len)
+    starts = np.flatnonzero(mask[:len(train.shards[0].tokens())] & 2).tolist() + [train.shards[0].count]
+    expected = []  # independently: each conversation in windows of seq_len + 1 from its start, every seq_len tokens
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        expected += [(b, min(b + seq_len + 1, hi)) for b in range(lo, hi - 1, seq_len)]
+    assert len(train) == len(expected) > 7
+    for i, (b, e) in enumerate(expected):
+        x, y = train[i]
+        n = e - b - 1
+        assert x[:n].tolist() == tokens[b:e - 1].tolist() and not x[n:].any()
+        want = [t if m & 1 else shards.IGNORE for t, m in zip(tokens[b + 1:e], mask[b + 1:e], strict=True)]
+        assert y.tolist() == want + [shards.IGNORE] * (seq_len - n)
+    assert any(y.ne(shards.IGNORE).sum() > 0 for x, y in (train[i] for i in range(len(train))))
+
+
+def test_chat_errors_are_one_line(tmp_path, capsys):
+    """A tokenizer without a chat template, a line that is no conversation, one without an assistant turn, masks
+    missing beside some shards: one line naming the cause."""
+    from train import prepare as prepare_cmd
+    from train.config import ConfigError
+    from train.tasks import shards
+
+    plain = hf_models.tiny_tokenizer(tmp_path / "plain")
+    folder = hf_models.chat_tokenizer(tmp_path / "model", "chatml")
+    ok = [("user", "w1"), ("assistant", "w2")]
+    cases = [
+        (plain, chats(tmp_path / "a.jsonl", [ok] * 4), "has no chat template"),
+        (folder, tmp_path / "none.jsonl", "is not a file"),
+        (folder, chats(tmp_path / "b.jsonl", [ok, [("user", "w1")]]), "b.jsonl:2: no assistant turn"),
+    ]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n{oops\n")
+    cases.append((folder, tmp_path / "c.jsonl", "c.jsonl:1: no assistant turn"))
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    cases.append((folder, tmp_path / "d.jsonl", "d.jsonl:1: not a JSON object with \"messages\""))
+    for model, data, words in cases:  # in this process: transformers is imported once
+        capsys.readouterr()
+        rc = prepare_cmd.main([str(data), str(tmp_path / "o"), "--tokenizer", str(model), "--chat"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (words, lines)
+        assert not (tmp_path / "o").exists()
+    assert prepare_cmd.main([str(chats(tmp_path / "e.jsonl", [ok] * 10)), str(tmp_path / "e"), "--tokenizer",
+                             str(folder), "--chat"]) == 0
+    (tmp_path / "e" / "e_val_000000.mask").unlink()
+    with pytest.raises(ConfigError, match="e_val_000000.bin has no loss mask"):
+        shards.windows(str(tmp_path / "e"), "", "auto", 4, 300)

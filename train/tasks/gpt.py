@@ -26,7 +26,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
@@ -165,14 +164,11 @@ class LanguageModel(Task):
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # autocast computes it in fp32
+        return shards.lm_loss(model(x), y)  # over the targets that count (a masked shard's); autocast: in fp32
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
-        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+        return shards.lm_eval(model(x), y)  # averaged per counted token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:

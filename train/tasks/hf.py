@@ -30,7 +30,6 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
@@ -224,14 +223,11 @@ class CausalLM(Task):
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
-        logits = self.logits(model, x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))  # autocast computes it in fp32
+        return shards.lm_loss(self.logits(model, x), y)  # over the targets that count; autocast: in fp32
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
-        logits = self.logits(model, x).float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
-        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+        return shards.lm_eval(self.logits(model, x), y)  # averaged per counted token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:

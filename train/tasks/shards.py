@@ -34,6 +34,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
@@ -275,8 +276,25 @@ def split_shards(files: list[str], split: str, spec: str, key: str = "task.data"
     return chosen
 
 
+def masked(split: list[Shard], key: str) -> bool:
+    """Whether the shards have their loss masks (all of them: some without is a ConfigError), each one byte a token
+    of its shard."""
+    found = [s.mask_path() for s in split]
+    if not any(found):
+        return False
+    if not all(found):
+        missing = next(s.path for s, m in zip(split, found, strict=True) if m is None)
+        raise ConfigError(f"{key}: {missing} has no loss mask ({Path(missing).with_suffix(MASK).name}) where other "
+                          f"shards have theirs: prepare them together (python -m train.prepare --chat)")
+    for s, m in zip(split, found, strict=True):
+        if m.stat().st_size != s.count:
+            raise ConfigError(f"{m}: {m.stat().st_size} bytes for the {s.count} tokens of {s.path} (one a token): "
+                              f"write them again (python -m train.prepare --chat)")
+    return True
+
+
 def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: int, vocab: str = VOCAB_KEY,
-            hint: str = VOCAB_HINT) -> tuple[TokenWindows, TokenWindows]:
+            hint: str = VOCAB_HINT) -> tuple[TokenWindows | MaskedWindows, TokenWindows | MaskedWindows]:
     """The training and evaluation windows of a language model's shards: the *train* and *val* files of `data`
     (task.data), or those of `data` and `eval_data` (task.eval_data); every token id checked < vocab_size
     (check_vocab); ConfigError where a split has no shard or no whole window."""
@@ -290,9 +308,10 @@ def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: in
     splits = [("task.data", train_files), ("task.eval_data" if eval_data else "task.data", val_files)]
     opened = [[open_shard(p, fmt) for p in paths] for _, paths in splits]
     check_vocab(opened[0] + opened[1], vocab_size, vocab, hint)  # read once, then cached (and by rank 0 only)
+    chat = masked(opened[0] + opened[1], "task.eval_data" if eval_data else "task.data")
     out = []
     for (key, paths), split in zip(splits, opened, strict=True):
-        ds = TokenWindows(split, seq_len)
+        ds = MaskedWindows(split, seq_len) if chat else TokenWindows(split, seq_len)
         if len(ds) == 0:
             raise ConfigError(f"{key}: no window of seq_len + 1 = {seq_len + 1} tokens fits in any "
                               f"shard of {', '.join(paths)}; lower task.seq_len")
@@ -329,3 +348,70 @@ class TokenWindows(Dataset):
         begin = (index - self.starts[k]) * self.seq_len
         w = torch.from_numpy(self._maps[k][begin:begin + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
+
+
+IGNORE = -100  # a target that counts in no loss (cross_entropy's ignore_index): the user's turns, padding
+
+
+class MaskedWindows(Dataset):
+    """Windows over masked shards (python -m train.prepare --chat): each conversation on its own, in windows of
+    seq_len + 1 tokens from its first (every seq_len tokens: a longer one is split at window boundaries), the last
+    padded; item i is (x, y) as TokenWindows' with y = IGNORE where the target does not count (its mask's bit 0 is
+    clear, or padding). No window holds two conversations: none is in another's context or loss.
+    Holds two int64 a window (where it starts and where its conversation ends), found from the masks once."""
+
+    def __init__(self, shards: list[Shard], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        begins, ends, counts = [], [], []
+        for s in shards:
+            mask = np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
+            starts = [np.zeros(1, np.int64)] + [
+                lo + np.flatnonzero(mask[lo:lo + (1 << 24)] & STARTS) for lo in range(0, s.count, 1 << 24)]
+            bounds = np.unique(np.concatenate(starts + [np.array([s.count])]))  # a shard's start begins one too
+            lo, hi = bounds[:-1], bounds[1:]
+            n = np.maximum(0, -(-(hi - lo - 1) // seq_len))  # windows a conversation: ceil((length - 1) / seq_len)
+            first = np.repeat(lo, n)
+            offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+            begins.append(first + offset * seq_len)
+            ends.append(np.repeat(hi, n))
+            counts.append(int(n.sum()))
+            del mask
+        self.begin = np.concatenate(begins) if begins else np.zeros(0, np.int64)
+        self.end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self.starts = np.cumsum([0] + counts).tolist()
+        self._maps: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(shards)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": [None] * len(self.shards)}
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        k = bisect.bisect_right(self.starts, index) - 1
+        if self._maps[k] is None:
+            s = self.shards[k]
+            self._maps[k] = s.tokens(), np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
+        tokens, mask = self._maps[k]
+        b, e = int(self.begin[index]), int(self.end[index])
+        w = tokens[b:min(b + self.seq_len + 1, e)].astype(np.int64)
+        x = np.zeros(self.seq_len, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        x[:len(w) - 1] = w[:-1]
+        y[:len(w) - 1] = np.where(mask[b + 1:b + len(w)] & COUNTS, w[1:], IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next-token cross entropy, the mean over the targets that count (all but IGNORE's; 0 where none does)."""
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return total / (y != IGNORE).sum().clamp(min=1)
+
+
+def lm_eval(logits: torch.Tensor, y: torch.Tensor) -> dict:
+    """An evaluation batch's summed loss and the number of targets it counts (averaged per counted token)."""
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+    return {"loss": loss, "count": (y != IGNORE).sum()}
