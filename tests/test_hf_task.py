@@ -224,8 +224,8 @@ def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_pa
 def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_with_documents_kept_apart(tmp_path, monkeypatch):
     """--tokenizer PATH (a model folder or its tokenizer.json): each file its post-processor's <|begin_of_text|>, its
     tokens, then the tokenizer's <|end_of_text|> (tokenizer_config.json's eos_token); read in blocks of 64 characters,
-    4 encoded at a time, the tokens are those of the whole text; a file that is no tokenizer, or one without an
-    end-of-text token: one line, exit 2, nothing written."""
+    4 encoded at a time, the tokens are those of the whole text; a .jsonl file is a document a line; a file that is
+    no tokenizer, one without an end-of-text token, a line without "text": one line, exit 2, nothing written."""
     from tokenizers import Tokenizer, models
 
     from train import prepare as prepare_cmd
@@ -248,12 +248,22 @@ def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_with_documents_kep
         assert tok.decode(sum(back, []), skip_special_tokens=False) == "".join(
             f"<|begin_of_text|>{text}<|end_of_text|>" for text in texts)
 
+    docs = ["the quick brown fox.", "a stitch in time saves nine. " * 9, "all that glitters"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs * 4))
+    assert prepare_cmd.main([str(tmp_path / "docs.jsonl"), str(tmp_path / "jsonl"), "--tokenizer", str(folder)]) == 0
+    back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
+            for p in sorted((tmp_path / "jsonl").glob(f"docs_{split}_*.bin"))]
+    assert sum(back, []) == [t for d in docs * 4 for t in [*tok.encode(d).ids, 1]]  # a document a line
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.jsonl").write_text(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"txt": "x"}))
+
     bare = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
     bare.save(str(tmp_path / "bare.json"))
     (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
-    for where, words in ((tmp_path / "bare.json", "has no end-of-text token to put between documents"),
-                         (tmp_path / "bad.json", "does not read as a Hugging Face tokenizer")):
-        proc = subprocess.run([PY, "-m", "train.prepare", str(tmp_path / "in"), str(tmp_path / "o"), "--tokenizer",
+    for data, where, words in ((tmp_path / "in", tmp_path / "bare.json", "has no end-of-text token to put between"),
+                               (tmp_path / "in", tmp_path / "bad.json", "does not read as a Hugging Face tokenizer"),
+                               (tmp_path / "bad", folder, "b.jsonl:2: not a JSON object with \"text\"")):
+        proc = subprocess.run([PY, "-m", "train.prepare", str(data), str(tmp_path / "o"), "--tokenizer",
                                str(where)], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr

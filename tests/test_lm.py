@@ -292,7 +292,7 @@ def test_prepare_usage_errors_exit_2_in_one_line(tmp_path):
     cases = {
         (): "required",
         (str(tmp_path / "missing.txt"), str(tmp_path / "o")): "does not exist",
-        (str(tmp_path / "empty"), str(tmp_path / "o")): "no .txt file",
+        (str(tmp_path / "empty"), str(tmp_path / "o")): "no .txt or .jsonl file",
         (str(text), str(tmp_path / "full")): "already holds .bin shards",
         (str(text), str(text)): "not a folder",
         (str(text), str(tmp_path / "o"), "--val-fraction", "1"): "--val-fraction",

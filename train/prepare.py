@@ -5,7 +5,8 @@
     python -m train.prepare corpus.txt data/corpus --tokenizer models/my-model   # a Hugging Face model's tokenizer
     python -m train.prepare chats.jsonl data/chats --tokenizer models/my-model --chat   # the assistant's turns only
 
-INPUT is a text file or a folder of .txt files (all of them, recursively, in sorted order): each file is one document.
+INPUT is a text file or a folder of .txt files (all of them, recursively, in sorted order): each file is one document;
+a .jsonl file (or one in the folder) holds a document a line, {"text": ...}.
 The tokens of all documents, one after the other, are split in two: the last --val-fraction of them is the validation
 split (as nanoGPT's prepare scripts do), the rest the training split; each split is written as shards of at most
 --shard-tokens tokens, named like llm.c's: <name>_val_000000.bin, <name>_train_000000.bin, ... Every shard is read
@@ -62,7 +63,8 @@ TMP = ".prepare-{}.tmp"  # the token file (and mask) in OUTDIR while the command
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="python -m train.prepare", description="Text files -> llm.c/nanoGPT token shards.")
-    p.add_argument("input", help="a text file, or a folder of .txt files; with --chat, a .jsonl file of conversations")
+    p.add_argument("input", help="a text file, or a folder of .txt files (.jsonl: {\"text\": ...} a line); with "
+                                 "--chat, a .jsonl file of conversations")
     p.add_argument("outdir", help="the folder to write the shards into (created; must hold no .bin yet)")
     p.add_argument("--tokenizer", default="bytes", metavar="bytes|gpt2|PATH",
                    help="bytes: vocabulary 256, no download; gpt2: tiktoken's GPT-2 encoding; PATH: a Hugging Face "
@@ -97,9 +99,9 @@ def text_files(path: Path, chat: bool = False) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
         if not files:
-            raise UsageError(f"{path} holds no .txt file")
+            raise UsageError(f"{path} holds no .txt or .jsonl file")
         return files
     raise UsageError(f"{path} does not exist (give a text file or a folder of .txt files)")
 
@@ -209,6 +211,34 @@ def cut(text: str) -> int:
     return len(text)
 
 
+def split(text: str) -> Iterator[str]:
+    """A document held in memory (a line of a .jsonl) in blocks of about BLOCK_CHARS, cut as blocks() does."""
+    while len(text) > BLOCK_CHARS:
+        at = cut(text[:BLOCK_CHARS])
+        yield text[:at]
+        text = text[at:]
+    if text:
+        yield text
+
+
+def documents(path: Path, binary: bool) -> Iterator[Iterator[str | bytes]]:
+    """A file's documents, each as its blocks: a .jsonl file's lines ({"text": ...} each), else the whole file."""
+    if path.suffix != ".jsonl":
+        yield blocks(path, binary)
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise UsageError(f"{path}:{n}: not a JSON object with \"text\" ({_one_line(e)})") from None
+            if not isinstance(text, str):
+                raise UsageError(f"{path}:{n}: \"text\" is a {type(text).__name__}, not a string")
+            yield (b.encode() for b in split(text)) if binary else split(text)
+
+
 def blocks(path: Path, binary: bool) -> Iterator[str | bytes]:
     """A file's text in blocks of about BLOCK_CHARS, each cut where encoding it apart changes no token."""
     if binary:
@@ -257,7 +287,8 @@ class TokenFile:
 
 
 def encode_documents(files: list[Path], enc: Encoder, out: TokenFile, bar) -> None:
-    """Each file: the tokenizer's begin tokens, its blocks' tokens, its end tokens; BATCH blocks encoded at once."""
+    """Each document: the tokenizer's begin tokens, its blocks' tokens, its end tokens; 2 x BATCH blocks encoded at
+    once."""
     pending: list = []  # token arrays and blocks of text, in order
 
     def flush():
@@ -269,12 +300,13 @@ def encode_documents(files: list[Path], enc: Encoder, out: TokenFile, bar) -> No
         pending.clear()
 
     for f in files:
-        pending.append(np.array(enc.begin, dtype=np.int64))
-        for block in blocks(f, enc.binary):
-            pending.append(block)
-            if len(pending) >= 2 * BATCH:
-                flush()
-        pending.append(np.array(enc.end, dtype=np.int64))
+        for doc in documents(f, enc.binary):
+            pending.append(np.array(enc.begin, dtype=np.int64))
+            for block in doc:
+                pending.append(block)
+                if len(pending) >= 2 * BATCH:
+                    flush()
+            pending.append(np.array(enc.end, dtype=np.int64))
     flush()
 
 
