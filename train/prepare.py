@@ -45,6 +45,7 @@ import json
 import os
 import re
 import sys
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -378,11 +379,11 @@ def assistant_spans(tok, msgs: list[dict], where: str) -> tuple[str, list[tuple[
     return full, spans
 
 
-def encode_chats(path: Path, tok, out: TokenFile, bar) -> list[int]:
+def encode_chats(path: Path, tok, out: TokenFile, bar) -> array:
     """Each conversation rendered and encoded (CHATS at once), with its mask; returns where each one starts."""
     from train.tasks.shards import COUNTS, STARTS
 
-    starts: list[int] = []
+    starts = array("q")  # 8 bytes a conversation
     pending: list[tuple[str, list[tuple[int, int]]]] = []
 
     def flush():
@@ -511,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         total = src.count
         n_val = int(round(total * args.val_fraction))
         if args.chat and 0 < n_val < total:  # the validation split starts with a conversation
-            n_val = total - starts[min(np.searchsorted(starts, total - n_val), len(starts) - 1)]
+            n_val = total - starts[min(int(np.searchsorted(starts, total - n_val)), len(starts) - 1)]
         if n_val == 0 or n_val == total:
             what = f"{len(starts)} conversation(s), " if args.chat else ""
             src.remove()

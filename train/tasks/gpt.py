@@ -12,8 +12,9 @@ the same weights under DDP and FSDP, on any number of ranks. A Hugging Face GPT-
 GPT2LMHeadModel: config.json and safetensors) loads into it (hf_model: the same names, Conv1D weights
 transposed, the vocabulary's padding rows left out), and `python -m train.export --format hf` writes one.
 
-`python -m train.prepare` makes shards from text files. Throughput is counted in tokens, evaluation logs the
-loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
+`python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
+shards.MaskedWindows, makes the loss the mean over the counted tokens). Throughput is counted in tokens, evaluation
+logs the loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ embeddings' frequencies, computed), then the folder's weights (init_from: the pa
 a resume continues the run). `python -m train.export --format hf` writes the trained model as a folder of the same
 architecture: the path's config.json, the trained safetensors and the files the folder has beside (its tokenizer).
 
-The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer; every token id
-is checked against the model's vocabulary. transformers, safetensors and tokenizers are an optional extra (pip
-install -r requirements-hf.txt), imported only when a run names this task.
+The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer (uint32 for a
+vocabulary over 65536); every token id is checked against the model's vocabulary. Shards with a loss mask beside them
+(python -m train.prepare --chat) train on the assistant's tokens only, a conversation a window. transformers,
+safetensors and tokenizers are an optional extra (pip install -r requirements-hf.txt), imported only when a run names
+this task.
 """
 
 from __future__ import annotations
