@@ -449,3 +449,33 @@ def test_a_masked_chat_run_learns_the_assistant_where_the_same_data_unmasked_doe
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = summary(tmp_path / name)["eval_loss"]
     assert runs["masked"] < 0.05 and runs["unmasked"] > bound, (runs, bound)
+
+
+def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_only(tmp_path):
+    """The Hugging Face task on masked shards: its windows are a conversation each, its loss the mean cross entropy of
+    transformers' logits over the assistant's targets alone, its evaluation summed over them and counting them."""
+    import torch.nn.functional as F
+
+    from train import config
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    folder = hf_models.tiny_llama(tmp_path / "model", vocab=206, tokenizer=False)
+    hf_models.chat_tokenizer(folder, "chatml")
+    conv = [("user", "w3 w4 w5"), ("assistant", "w6 w7"), ("user", "w8"), ("assistant", "w9 w10 w11")]
+    assert prepare_cmd.main([str(chats(tmp_path / "chats.jsonl", [conv] * 20)), str(tmp_path / "out"),
+                             "--tokenizer", str(folder), "--chat"]) == 0
+    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", f"task.data={tmp_path / 'out'}", "task.seq_len=32"])
+    task = cfg.task_class(cfg.task, cfg.seed)
+    train, val = task.datasets()
+    assert isinstance(train, shards.MaskedWindows) and len(train) == 18 and len(val) == 2  # a conversation a window
+    x, y = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
+    counted = y != shards.IGNORE
+    assert counted.sum() == 4 * 7  # w6 w7 <|im_end|> w9 w10 w11 <|im_end|>
+    _, model = task_model(folder)
+    with torch.no_grad():
+        logits = hf_models.logits_of(folder, x)
+        expect = F.cross_entropy(logits[counted], y[counted])
+        assert task.loss(model, (x, y)).item() == pytest.approx(expect.item(), rel=1e-5)
+        ev = task.eval_step(model, (x, y))
+    assert ev["count"] == 28 and ev["loss"].item() == pytest.approx(28 * expect.item(), rel=1e-5)
