@@ -257,6 +257,15 @@ def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_with_documents_kep
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "b.jsonl").write_text(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"txt": "x"}))
 
+    chat = hf_models.chat_tokenizer(tmp_path / "chat", "llama3")  # eos_token <|eot_id|>: a turn's end, not a text's
+    (tmp_path / "words").mkdir()
+    (tmp_path / "words" / "w.txt").write_text("w1 w2 w3 " * 20)
+    assert prepare_cmd.main([str(tmp_path / "words"), str(tmp_path / "chat-out"), "--tokenizer", str(chat)]) == 0
+    back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
+            for p in sorted((tmp_path / "chat-out").glob(f"words_{split}_*.bin"))]
+    assert sum(back, [])[-1] == 1 and Tokenizer.from_file(str(chat / "tokenizer.json")).id_to_token(1) == (
+        "<|end_of_text|>")
+
     bare = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
     bare.save(str(tmp_path / "bare.json"))
     (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')

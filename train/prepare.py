@@ -17,8 +17,9 @@ Tokenizers: `bytes` (default): each byte is a token, vocabulary 256, nothing to 
 llm.c does), when tiktoken is installed and its encoding files are in its cache (TIKTOKEN_CACHE_DIR) or downloadable.
 A PATH: a Hugging Face tokenizer, its tokenizer.json (the file, or a model folder holding it) read by the `tokenizers`
 library (pip install -r requirements-hf.txt), nothing downloaded: each document gets the special tokens its
-post-processor adds (Llama's <|begin_of_text|> first) and its end-of-text token last (tokenizer_config.json's
-eos_token, else <|endoftext|>, </s>, ... found in its vocabulary), so that a model learns where a document ends.
+post-processor adds (Llama's <|begin_of_text|> first) and its end-of-text token last (<|endoftext|> or <|end_of_text|>
+where it has one, else tokenizer_config.json's eos_token, else </s>, <eos>, ...), so that a model learns where a
+document ends.
 Vocabularies up to 65536 are written as uint16 (llm.c's gpt-2 format, magic 20240520), larger ones as uint32 (its
 llama-3 format, magic 20240801; nanoGPT's headerless format has no way to say so and stays uint16).
 
@@ -169,10 +170,11 @@ def hf_tokenizer(path: Path) -> Encoder:
         raise UsageError(f"--tokenizer: {file} does not read as a Hugging Face tokenizer ({_one_line(e)})") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     added = set(tok.get_added_tokens_decoder())
-    probe = tok.decode([next((i for i in range(vocab) if i not in added), 0)])  # a word of it: no unknown token
-    plain, full = tok.encode(probe, add_special_tokens=False).ids, tok.encode(probe).ids
-    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
-    begin, end = (full[:at], full[at + len(plain):]) if at is not None else ([], [])
+    probes = ["a", " the", tok.decode([next((i for i in range(vocab) if i not in added), 0)])]  # the last: a word of it
+    plain, full = next(((p, f) for p, f in ((tok.encode(w, add_special_tokens=False).ids, tok.encode(w).ids)
+                                            for w in probes) if p), ([], []))
+    at = next((i for i in range(len(full) - len(plain) + 1) if plain and full[i:i + len(plain)] == plain), None)
+    begin, end = (full[:at], full[at + len(plain):]) if at is not None else ([], [])  # what the post-processor adds
     if not end:
         eos = end_of_text(tok, file.parent / "tokenizer_config.json")
         if eos is None:
@@ -189,14 +191,16 @@ def hf_tokenizer(path: Path) -> Encoder:
 
 
 def end_of_text(tok, config: Path) -> int | None:
-    """The id of tokenizer_config.json's eos_token, else of the first of EOS_NAMES the vocabulary has."""
+    """The id of the tokenizer's end of a document: <|endoftext|> or <|end_of_text|> where it has one (a chat model's
+    eos_token may be its end of a turn: Llama 3's <|eot_id|>, ChatML's <|im_end|>), else tokenizer_config.json's
+    eos_token, else the first of EOS_NAMES the vocabulary has."""
     try:
         eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
     except (OSError, ValueError, AttributeError):
         eos = None
     if isinstance(eos, dict):
         eos = eos.get("content")
-    for name in ([eos] if isinstance(eos, str) else []) + list(EOS_NAMES):
+    for name in [*EOS_NAMES[:2], *([eos] if isinstance(eos, str) else []), *EOS_NAMES[2:]]:
         if (i := tok.token_to_id(name)) is not None:
             return i
     return None
