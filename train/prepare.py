@@ -170,9 +170,9 @@ def hf_tokenizer(path: Path) -> Encoder:
         raise UsageError(f"--tokenizer: {file} does not read as a Hugging Face tokenizer ({_one_line(e)})") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     added = set(tok.get_added_tokens_decoder())
-    probes = ["a", " the", tok.decode([next((i for i in range(vocab) if i not in added), 0)])]  # the last: a word of it
+    probes = [tok.decode([next((i for i in range(vocab) if i not in added), 0)]), "a", " the"]  # first: a word of it
     plain, full = next(((p, f) for p, f in ((tok.encode(w, add_special_tokens=False).ids, tok.encode(w).ids)
-                                            for w in probes) if p), ([], []))
+                                            for w in probes) if p and not added & set(p)), ([], []))  # no unknown
     at = next((i for i in range(len(full) - len(plain) + 1) if plain and full[i:i + len(plain)] == plain), None)
     begin, end = (full[:at], full[at + len(plain):]) if at is not None else ([], [])  # what the post-processor adds
     if not end:
