@@ -40,7 +40,7 @@ train-local: venv
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The checkpoint and resume tests under another Python docs/testing.md names (CI: 3.13; a checkpoint's pickled
+# The checkpoint and resume tests under another Python docs/dev/testing.md names (CI: 3.13; a checkpoint's pickled
 # classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
 OTHER_PYTHON ?= python3.13
 OTHER_TESTS ?= tests/test_resume.py tests/test_checkpoint_format.py
