@@ -319,3 +319,13 @@ def test_the_configuration_reference_is_the_code_s_every_key():
     proc = subprocess.run([PY, "-m", "train.reference", "--check"], cwd=ROOT, env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_diagram_of_the_launch_and_the_stop_is_linked_from_the_readme():
+    """One picture a reader scans instead of reading: a mermaid flowchart on a page the README links, with the
+    launcher, torchrun, the ranks, the markers and each exit code."""
+    pages = {ROOT / m for m in re.findall(r"\]\((docs/[^)#]+\.md)", README)}
+    diagrams = [d for p in pages for d in re.findall(r"```mermaid\n(.*?)```", p.read_text(), re.S)]
+    assert diagrams, "no mermaid diagram on a page the README links"
+    assert any(all(w in d for w in ("train.launch", "torchrun", "rank", "STOPPED", '"75', '"2', '"0', '"1'))
+               for d in diagrams), diagrams
