@@ -25,6 +25,7 @@ from train.observe.log import RunLog, check_tracker
 from train.observe.metrics import StepMeter
 from train.parallel import data, distributed, hang, wrapping
 from train.parallel.data import to_device
+from train.stops import markers
 from train.stops.markers import Markers
 from train.stops.signals import StopRequest
 from train.task import Task, collate_fn
@@ -335,6 +336,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         if reason is None and isinstance(e, SaveError):
             reason = SAVE_FAILED
         if reason is None:
+            if not isinstance(e, ConfigError):
+                markers.write_failure(cfg.run_dir, denv.rank, e)  # this rank's own error: the launcher names it
             raise
         say(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
