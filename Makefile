@@ -66,7 +66,7 @@ TORCHVISION ?= $(TORCHVISION_$(TORCH))
 # (The torch's own install reads no pip configuration file: a machine's cap on torch, such as one in
 # /etc/xdg/pip/pip.conf, does not hold back the torch asked for.)
 KEEP_TORCH_INSTALL = pip install -q -r <(grep -vE '^(torch|torchvision)==' requirements.txt)
-TORCH_TESTS ?= tests/test_torch_range.py::test_a_stop_longer_than_torchruns_fixed_30_s_completes_within_the_budget \
+TORCH_TESTS ?= tests/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
 	tests/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
 	tests/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
 	"tests/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \

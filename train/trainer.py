@@ -8,7 +8,6 @@ import gc
 import hashlib
 import random
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch.nn as nn
 from train import optim
 from train.checkpoint import pretrained
 from train.checkpoint.checkpointer import Checkpointer
-from train.checkpoint.dcp_io import error_text, first_error
+from train.checkpoint.dcp_io import error_text, error_traceback, first_error
 from train.checkpoint.resume import check_fresh_start
 from train.checkpoint.storage import SaveError
 from train.config import Config, ConfigError
@@ -289,7 +288,7 @@ def save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:
     else:
         where = ""
         if log is not None:
-            log.to_file("".join(traceback.format_exception(cause)).rstrip())
+            log.to_file(error_traceback(e.__cause__ or e).rstrip())
             where = f" (its traceback: {cfg.run_dir / 'logs' / f'rank{log.rank}.log'})"
         fallback = "; if it fails again, set checkpoint.async=false (blocking saves)" if cfg.checkpoint.async_ else ""
         advice = (f"not for want of room or permissions but an error of the save itself{where}: relaunch the same "

@@ -14,6 +14,7 @@ import pickle
 import random
 import sys
 import threading
+import traceback
 import warnings
 import zlib
 from pathlib import Path
@@ -165,6 +166,18 @@ def first_error(e: BaseException) -> BaseException:
         e = min(e.failures.items())[1]
         e = e[0] if isinstance(e, tuple) else e
     return e
+
+
+def error_traceback(e: BaseException) -> str:
+    """Its traceback (of DCP's CheckpointException, the first failing rank's, as DCP kept it)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        failure = min(e.failures.items())[1]
+        if isinstance(failure, tuple):  # (the error, its stack): what DCP gathers from the ranks
+            error, stack = failure
+            return ("Traceback (most recent call last):\n" + "".join(stack.format())
+                    + "".join(traceback.format_exception_only(error)))
+        e = failure
+    return "".join(traceback.format_exception(e))
 
 
 def error_text(e: BaseException) -> str:
