@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-python test-torch lint bench clean-runs
+.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -72,11 +72,12 @@ TORCH_TESTS ?= tests/test_torch_range.py::test_a_stop_slower_than_torchruns_own_
 	"tests/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
 	tests/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
 	tests/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
-test-torch:
+# venv-torch: that venv alone (.ci/run installs both while the whole suite runs)
+venv-torch test-torch:
 	@test -n "$(TORCH)" -a -n "$(TORCHVISION)" || { echo "error: name the torch (and, for one other than \
-	2.11.0 and 2.15.0, its torchvision): make test-torch TORCH=2.11.0, or TORCH=X TORCHVISION=Y" >&2; exit 2; }
-	$(MAKE) test PYTHON=$(OTHER_PYTHON) VENV=.venv-torch$(TORCH) TORCH=$(TORCH) TORCHVISION=$(TORCHVISION) \
-		PYTEST_ARGS='$(TORCH_TESTS)'
+	2.11.0 and 2.15.0, its torchvision): make $@ TORCH=2.11.0, or TORCH=X TORCHVISION=Y" >&2; exit 2; }
+	$(MAKE) $(if $(filter venv-torch,$@),dev,test) PYTHON=$(OTHER_PYTHON) VENV=.venv-torch$(TORCH) TORCH=$(TORCH) \
+		TORCHVISION=$(TORCHVISION) PYTEST_ARGS='$(TORCH_TESTS)'
 
 lint: dev
 	$(VENV)/bin/ruff check train tests bench examples
