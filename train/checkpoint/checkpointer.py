@@ -52,6 +52,7 @@ from train.checkpoint.dcp_io import (
     planner,
     rng_state,
     set_rng_state,
+    stager_reusable,
     tensor_state,
     write_threads,
 )
@@ -179,8 +180,9 @@ class Checkpointer:
         reused by every later one (pinned on a GPU; shared with DCP's process when it writes from one), at
         the cost of one more copy of this rank's state in host memory. A fresh allocation each save cost more
         than the copy itself (bench/checkpoint.py). The copy runs in the writer thread while the next step's
-        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step."""
-        if self._stager is None:
+        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step.
+        Where torch's stager cannot be reused (stager_reusable: torch 2.11's), a fresh one each save."""
+        if self._stager is None or not stager_reusable():
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=device.type == "cuda",
                 use_shared_memory=ASYNC_TYPE == dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
