@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
+from train import optim
 from train.checkpoint.dcp_io import (
     ASYNC_TYPE,
     BackgroundWriter,
@@ -345,8 +346,9 @@ class Checkpointer:
         try:
             dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
             state = merge(tensors, trainer["rest"])
-            set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            with optim.own_kernels(parts.optimizer):  # optim.fused may differ from the saved run's
+                set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optimizer"])
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
