@@ -228,3 +228,45 @@ def test_a_step_that_logs_evaluates_and_saves_nothing_waits_for_no_device_work(t
         assert quiet == [], quiet
         loud = {r["step"] for r in lines}
         assert {LOG_EVERY, EVAL_EVERY, SAVE_EVERY, STEPS} <= loud, sorted(loud)
+
+
+# The same on a GPU, by torch's own detector: torch.cuda.set_sync_debug_mode("warn") warns at each operation that
+# makes the host wait for the device; the warnings raised from the template's files (under train/) are recorded
+# with their step, as COUNT_READS does.
+SYNC_WARNINGS = """
+import json, os, warnings
+from pathlib import Path
+import torch
+TRAIN = str(Path(module.__file__).parent) + os.sep
+out = Path(os.environ["READS_DIR"]) / "rank0.jsonl"
+step = [0]
+shown = warnings.showwarning
+def show(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message) and filename.startswith(TRAIN):
+        with out.open("a") as fh:
+            fh.write(json.dumps({"step": step[0], "read": f"{filename}:{lineno}"}) + "\\n")
+    else:
+        shown(message, category, filename, lineno, file, line)
+warnings.showwarning = show
+warnings.filterwarnings("always", message=".*synchroniz")
+real_step = module.train_step
+def train_step(parts, *a, **k):
+    step[0] = parts.step + 1
+    torch.cuda.set_sync_debug_mode("warn")
+    return real_step(parts, *a, **k)
+module.train_step = train_step
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_quiet_step_makes_no_synchronizing_call_of_the_template(tmp_path):
+    (reads := tmp_path / "reads").mkdir()
+    env = after_import(tmp_path, "train.trainer", SYNC_WARNINGS) | {"READS_DIR": str(reads)}
+    run_train(tmp_path / "run", "train.precision=bf16", "train.micro_batch_size=4", f"train.steps={STEPS}",
+              f"train.log_every={LOG_EVERY}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}",
+              env=env, timeout=600)
+    lines = [json.loads(line) for line in (reads / "rank0.jsonl").read_text().splitlines()] \
+        if (reads / "rank0.jsonl").exists() else []
+    quiet = [f"step {r['step']}: {r['read']}" for r in lines if r["step"] and _quiet(r["step"])]
+    assert quiet == [], quiet
+    assert LOG_EVERY in {r["step"] for r in lines}  # the log steps' reads are seen: the detector works
