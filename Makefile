@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench clean-runs
+.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench gpu-check clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -87,6 +87,17 @@ lint: dev
 GPU_JSON ?=
 bench: dev
 	$(PY) bench/run_all.py $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
+
+# One prepared check of a GPU machine, minutes (bench/gpu_check.py): its stages in order of value, each writing
+# OUT/gpu_check.json as it ends. It installs nothing: the machine's own python and torch run it (.venv's if there
+# is one). SMOKE=1: the same stages at toy sizes on the CPU. `make bench GPU_JSON=OUT/gpu_check.json` shows it.
+# BUDGET: seconds after which no stage starts (a stage running then is cut), so a run stays within it.
+OUT ?= gpu-check
+SMOKE ?=
+BUDGET ?= 300
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(OUT) --budget-s $(if $(SMOKE),3000,$(BUDGET)) $(if $(SMOKE),--smoke)
 
 clean-runs:
 	rm -rf runs
