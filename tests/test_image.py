@@ -12,6 +12,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 from tests import engine
 from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
 from tests.conftest import ROOT
@@ -30,9 +32,20 @@ def _requirements(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- Dockerfile
 
-def test_dockerfile_passes_hadolint():
-    proc = subprocess.run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("path", ["Dockerfile", "tasks/Dockerfile"])
+def test_dockerfile_passes_hadolint(path):
+    proc = subprocess.run([tool("hadolint"), "--no-color", path], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_task_dockerfile_builds_on_the_tag_make_builds_and_trains_tasks_my_yaml():
+    """tasks/Dockerfile (an image of the user's, FROM the template's): its default base is the tag `make
+    docker-build` makes, it copies its folder to the template's tasks/, and its CMD trains tasks/my.yaml."""
+    steps = dockerfile_instructions(ROOT / "tasks" / "Dockerfile")
+    assert ("ARG", f"BASE=ddp-template:{VERSION}") in steps and steps[1] == ("FROM", "${BASE}"), steps
+    assert ("COPY", f". {workdir()}/tasks/") in steps, "into the template's WORKDIR's tasks/"
+    assert json.loads(dict(steps)["CMD"]) == ["--config", "tasks/my.yaml"]
+    assert not {"ENTRYPOINT", "USER", "WORKDIR"} & set(dict(steps)), "the template's entrypoint, user and folder"
 
 
 REQUIREMENTS = ("requirements.txt", "requirements-hf.txt")  # what the image installs: the runtime, the HF trio
