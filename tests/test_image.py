@@ -7,7 +7,9 @@ tests/test_compose.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -124,6 +126,31 @@ def test_image_conventions():
     assert {"org.opencontainers.image.version", "org.opencontainers.image.source"} <= labels.keys()
     args = dict(re.findall(r"^(\w+)=(\S+)$", "\n".join(rest for word, rest in final if word == "ARG"), re.M))
     assert args.get("VERSION") == VERSION, "the image's version label defaults to pyproject's version"
+
+
+def test_make_docker_build_refuses_a_config_whose_task_file_the_image_leaves_out(tmp_path):
+    """A config in tasks/ (or configs/) naming my_task.py at the project root: `make docker-build` stops in one
+    line before it builds, naming the config, the file and tasks/; with the file in tasks/ the check passes."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "tasks").mkdir()
+    shutil.copy(ROOT / "examples" / "regression.py", tmp_path / "my_task.py")
+    (tmp_path / "tasks" / "my.yaml").write_text("task:\n  name: my_task.py:Regression  # the README's step 1\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("IMAGE", "MAKEFLAGS")}
+    proc = subprocess.run(["make", "docker-build"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: tasks/my.yaml: task.name names my_task.py, which the image leaves out (.dockerignore "
+                      "is an allow-list): move it to tasks/ and name it tasks/my_task.py"], proc.stderr
+    assert "docker build" not in proc.stdout, "it built anyway"
+    (tmp_path / "my_task.py").rename(tmp_path / "tasks" / "my_task.py")
+    (tmp_path / "tasks" / "my.yaml").write_text("task:\n  name: tasks/my_task.py:Regression\n")
+    proc = subprocess.run(["make", "docker-context-check"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # The project's own configs pass it (the image the tests build went through it).
+    assert subprocess.run(["make", "docker-context-check"], cwd=ROOT, env=env, timeout=60).returncode == 0
 
 
 def test_dockerignore_sends_only_what_the_image_copies():
