@@ -114,9 +114,24 @@ PROFILE ?= gpu
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_PROJECT ?= ddp-template
 
-.PHONY: docker-build compose-up compose-down
+.PHONY: docker-build docker-context-check compose-up compose-down
 
-docker-build:
+# The build context is an allow-list (.dockerignore): a config in configs/ or tasks/ whose task.name is a file
+# outside train/, configs/, examples/ and tasks/ (my_task.py at the root) would build an image that cannot
+# import its task. Refused here, in one line; an absolute path is a mount's (a ConfigMap, docker run -v).
+docker-context-check:
+	@for f in configs/*.yaml tasks/*.yaml; do \
+		[ -f "$$f" ] || continue; \
+		for py in $$(sed -n 's/^[[:space:]]*name:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]#]*\.py\):.*/\1/p' "$$f"); do \
+			case "$$py" in \
+				/*) ;; \
+				train/*|configs/*|examples/*|tasks/*) [ -f "$$py" ] || { echo "error: $$f: task.name names $$py, which does not exist" >&2; exit 2; } ;; \
+				*) echo "error: $$f: task.name names $$py, which the image leaves out (.dockerignore is an allow-list): move it to tasks/ and name it tasks/$${py##*/}" >&2; exit 2 ;; \
+			esac; \
+		done; \
+	done
+
+docker-build: docker-context-check
 	docker build -t $(IMAGE) --build-arg VERSION=$(IMAGE_VERSION) \
 		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
 		--build-arg SOURCE=$$(git config --get remote.origin.url | sed -E 's#//[^/@]*@#//#' | grep . || echo unknown) .
