@@ -9,14 +9,21 @@ test_fsdp.py's ResNet, the README's run) use `train.tasks.image` (conftest.RESNE
 `task.step_delay_s` sleeps that long in each micro-step: a run whose steps must last while a test acts on it
 (a signal after step N, a kill mid-run) gets the wall time without using the CPU the other tests need;
 `task.eval_delay_s` does the same for each evaluation batch (a stop during a long evaluation).
+
+`task.start_gate` and `task.step_gate` hold a run at one point until a test lets it go, whatever the machine's
+speed: a path; each rank creates `<path>.<rank>` on reaching it (its worker start-up, in datasets(); its micro-steps,
+in loss()) and waits there until `<path>` exists, or a stop signal reached it (`gate_reached` below).
 """
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.nn as nn
 
 from train.config import ConfigError
+from train.stops import signals
 from train.tasks.image import ImageClassification
 
 WIDTHS = (16, 32, 64, 128)  # torchvision's are 64, 128, 256, 512
@@ -78,6 +85,8 @@ class SmallImages(ImageClassification):
     class Config(ImageClassification.Config):
         step_delay_s: float = 0.0  # a sleep in each micro-step (see the module's docstring)
         eval_delay_s: float = 0.0  # a sleep in each evaluation batch
+        start_gate: str = ""  # a path: datasets() waits until it exists (see the module's docstring)
+        step_gate: str = ""  # the same in each micro-step
 
     def check(self) -> None:
         super().check()
@@ -91,7 +100,12 @@ class SmallImages(ImageClassification):
                 return nn.GroupNorm(min(32, channels), channels)
         return SmallResNet(BLOCKS[self.cfg.model], getattr(self, "num_classes", self.cfg.num_classes), norm)
 
+    def datasets(self):
+        _wait_at(self.cfg.start_gate)
+        return super().datasets()
+
     def loss(self, model: nn.Module, batch):
+        _wait_at(self.cfg.step_gate)
         if self.cfg.step_delay_s:
             time.sleep(self.cfg.step_delay_s)
         return super().loss(model, batch)
@@ -100,3 +114,18 @@ class SmallImages(ImageClassification):
         if self.cfg.eval_delay_s:
             time.sleep(self.cfg.eval_delay_s)
         return super().eval_step(model, batch)
+
+
+def _wait_at(gate: str) -> None:
+    """Say that this rank has reached `gate`, then wait until a test opens it or a stop signal reaches this rank
+    (once the trainer's handler takes them: from STARTED on; before it, the signal ends the process here)."""
+    if not gate or Path(gate).exists():
+        return
+    Path(f"{gate}.{os.environ.get('RANK', '0')}").touch()
+    while not Path(gate).exists() and not signals.received():
+        time.sleep(0.05)
+
+
+def gate_reached(gate: Path, ranks: int) -> bool:
+    """Whether every one of `ranks` ranks waits at `gate` (for tests.procs.wait_for)."""
+    return all(Path(f"{gate}.{rank}").exists() for rank in range(ranks))

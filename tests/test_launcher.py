@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import PACED, PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
 from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
+from tests.small_task import gate_reached
 from train.launch.passthrough import Passthrough
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
@@ -75,18 +76,49 @@ def test_a_run_started_under_nohup_keeps_ignoring_hang_ups(tmp_path):
 
 # ---------------------------------------------------------------- a stop before the first step
 
+def _contents(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory (a link: its target) but the launcher's own .launch/, removed as it exits."""
+    return {str(p.relative_to(run_dir)): os.readlink(p).encode() if p.is_symlink() else p.read_bytes()
+            for p in sorted(run_dir.rglob("*")) if ".launch" not in p.parts and (p.is_file() or p.is_symlink())}
+
+
 def test_a_stop_during_worker_start_up_is_exit_75_nothing_lost(tmp_path, finished_run):
-    """The workers are still importing torch and resuming: nothing was trained since the last checkpoint,
-    so the launcher asks for the relaunch (75), not for a larger stop budget (1)."""
-    copy_run(finished_run, tmp_path)
-    before = latest_state(tmp_path)["step"]
-    proc = launch(tmp_path, "train.steps=400", launcher=("--nproc-per-node=2",))
-    wait_for(lambda: len(workers(proc.pid)) == 2, 60, "the workers")
-    proc.send_signal(signal.SIGTERM)
-    rc, out, err = finish(proc)
+    """The rule: a stop that reaches the workers before they write STARTED (importing torch, building, resuming)
+    found nothing trained since the last checkpoint, so the launcher asks for the relaunch (75), not for a larger
+    stop budget (1), and the run directory is left as it was: the same checkpoints and `latest`, the same metrics,
+    no STOPPED or STARTED for a resume or the user to misread. The ranks are held in their start-up (building the
+    data sets, task.start_gate, tests/small_task.py) until the signal has come: it lands there whatever the
+    machine's speed (a busy one imported torch slower, and the signal once landed after STARTED)."""
+    run_dir, gate = copy_run(finished_run, tmp_path / "run"), tmp_path / "gate"
+    before, files = latest_state(run_dir)["step"], _contents(run_dir)
+    proc = launch(run_dir, "train.steps=400", f"task.start_gate={gate}", launcher=("--nproc-per-node=2",))
+    wait_for(lambda: proc.poll() is not None or gate_reached(gate, 2), 120, "both ranks in their start-up")
+    proc.send_signal(signal.SIGTERM)  # the gate stays shut: the ranks end on the signal, where it found them
+    rc, out, err = finish(proc, timeout=120)
     assert rc == 75, err[-3000:]
     assert "before the workers began training" in err.strip().splitlines()[-1], err[-3000:]
-    assert latest_state(tmp_path)["step"] == before  # nothing new, nothing lost
+    assert latest_state(run_dir)["step"] == before  # nothing new, nothing lost
+    assert _contents(run_dir) == files  # nothing written, nothing removed
+
+
+def test_a_stop_during_the_first_step_ends_with_a_checkpoint_of_it(tmp_path, finished_run):
+    """The rule once the workers wrote STARTED (resumed, the stop handler installed): a stop ends with a checkpoint,
+    of the step it came in, and the STOPPED marker naming it; exit 75. The ranks are held in their first step's
+    micro-step (task.step_gate) until the signal has reached them, so it lands there whatever the machine's speed;
+    the stop budget is set far above what the step and the save need on any machine (--stop-timeout=200: the
+    budget's own rule is tests/test_stops.py's), so that a busy machine cannot turn this run into exit 1."""
+    run_dir, gate = copy_run(finished_run, tmp_path / "run"), tmp_path / "gate"
+    before = latest_state(run_dir)["step"]
+    proc = launch(run_dir, "train.steps=400", f"task.step_gate={gate}",
+                  launcher=("--nproc-per-node=2", "--stop-timeout=200"))
+    wait_for(lambda: proc.poll() is not None or gate_reached(gate, 2), 120, "both ranks in their first step")
+    assert json.loads((run_dir / "STARTED").read_text())["step"] == before
+    proc.send_signal(signal.SIGTERM)  # each rank leaves the gate when the signal reaches it
+    rc, out, err = finish(proc)
+    marker = _stopped_cleanly(run_dir, rc, err)
+    assert marker["step"] == before + 1 == latest_state(run_dir)["step"], marker
+    assert err.strip().splitlines()[-1].startswith("launch: stopped on SIGTERM; the workers checkpointed"), err[-3000:]
+    assert logged_steps(run_dir)[-1] == before + 1
 
 
 def test_a_stop_during_the_doctor_is_exit_75_and_training_never_starts(tmp_path):
