@@ -11,12 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-hf.txt")
 
 
-def tiny_gpt2(folder: Path, vocab: int = 100, positions: int = 64, seed: int = 0) -> Path:
-    """A GPT2LMHeadModel of 2 layers, 2 heads, width 32: config.json and model.safetensors in `folder`."""
+def tiny_gpt2(folder: Path, vocab: int = 100, positions: int = 64, seed: int = 0, **config: object) -> Path:
+    """A GPT2LMHeadModel of 2 layers, 2 heads, width 32: config.json and model.safetensors in `folder`;
+    `config`: other GPT2Config settings (tie_word_embeddings=False, layer_norm_epsilon=1e-3, ...)."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=positions,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab - 1,
-                                     eos_token_id=vocab - 1)
+                                     eos_token_id=vocab - 1, **config)
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     return folder
 
@@ -73,4 +74,27 @@ def tiny_tokenizer(folder: Path, vocab: int = 128) -> Path:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[1]}))
+    return folder
+
+
+def fp8(folder: Path, scales: bool = True) -> Path:
+    """The model of `folder` as FP8 checkpoints store it: its 2-D weights in float8_e4m3fn, each with the
+    weight_scale_inv it is to be multiplied by, and (with `scales`) the quantization_config that says so."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for key, t in load_file(folder / "model.safetensors").items():
+        if t.dim() == 2:
+            scale = t.abs().max() / 448.0
+            tensors[key] = (t / scale).to(torch.float8_e4m3fn)
+            tensors[key + "_scale_inv"] = scale.reshape(1)
+        else:
+            tensors[key] = t
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if scales:
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None}
+        (folder / "config.json").write_text(json.dumps(config))
     return folder

@@ -63,9 +63,10 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
                           f"transformers and save_pretrained it again, which writes safetensors)")
     reader = dcp.HuggingFaceStorageReader(str(folder))
     try:
-        stored = {k: tuple(md.size) for k, md in reader.read_metadata().state_dict_metadata.items()}
+        metadata = reader.read_metadata().state_dict_metadata
     except Exception as e:
         raise ConfigError(f"{option}: the safetensors files of {folder} do not read ({error_text(e)})") from None
+    stored = {k: tuple(md.size) for k, md in metadata.items()}
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     targets: dict[str, torch.Tensor] = {}
     padded: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (the model's tensor, the file's rows, how many)
@@ -82,6 +83,11 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
             shape = shape[::-1]
         if spec.rows:
             shape = (spec.rows, *shape[1:])
+        dtype = getattr(getattr(metadata[key], "properties", None), "dtype", None)
+        if ours.is_floating_point() and dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+            raise ConfigError(f"{option}: {folder}'s {key} is stored as {str(dtype).removeprefix('torch.')}, not "
+                              f"as float32, bfloat16 or float16: a quantized model, whose values mean nothing "
+                              f"without their scales; train from the unquantized model's folder")
         if stored[key] != shape:
             raise ConfigError(f"{option}: {folder}'s {key} has the shape {list(stored[key])}, the model's {name} "
                               f"needs {list(shape)}: the model that the task's settings and the folder's config.json "
