@@ -98,3 +98,14 @@ def fp8(folder: Path, scales: bool = True) -> Path:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None}
         (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def without_prefix(folder: Path, prefix: str = "transformer.") -> Path:
+    """The model of `folder` stored as the Hub stores GPT-2 (openai-community/gpt2): the base model's keys without
+    its prefix (wte.weight, h.0.attn.c_attn.weight, ...), the tied lm_head.weight left out."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k.removeprefix(prefix): t for k, t in load_file(folder / "model.safetensors").items()
+               if k != "lm_head.weight"}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder

@@ -83,6 +83,20 @@ def test_a_llama_folder_built_on_meta_gives_transformers_logits(tmp_path, tie):
     assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
 
 
+def test_gpt2_as_the_hub_stores_it_without_the_transformer_prefix_gives_transformers_logits(tmp_path):
+    """openai-community/gpt2's files name the base model's tensors without its prefix (wte.weight, not
+    transformer.wte.weight), as transformers' from_pretrained takes them: the task loads them too."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    theirs = hf_models.logits_of(folder, tokens)
+    hf_models.without_prefix(folder)
+    assert torch.equal(hf_models.logits_of(folder, tokens), theirs)  # transformers: the same model
+    _, model = task_model(folder)
+    with torch.no_grad():
+        ours = model(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
+
+
 def test_activation_checkpointing_of_the_decoder_layers_gives_the_same_loss_and_gradients(tmp_path):
     """The blocks (the decoder layers) recomputed in the backward (train.activation_checkpointing: wrapping's
     torch.utils.checkpoint of each, whose forward transformers calls with keyword arguments): the same loss and

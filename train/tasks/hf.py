@@ -207,7 +207,8 @@ class CausalLM(Task):
     def hf_model(self, model: nn.Module) -> HFModel:
         """The folder's own architecture: each parameter and persistent buffer under its own name (the names of
         transformers' state dict are those of its files), a tied weight once (as save_pretrained leaves out
-        lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer)."""
+        lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer). Files
+        that leave out the base model's prefix (transformer., model.) load too, as transformers loads them."""
         tensors = {name: HFTensor(name) for name, _ in model.named_parameters()}  # a tied weight once
         for prefix, module in model.named_modules():
             for key, t in module._buffers.items():
@@ -217,7 +218,9 @@ class CausalLM(Task):
         config = {k: v for k, v in self.folder_config().items() if k not in ("dtype", "torch_dtype")}
         files = tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
                       and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
-        return HFModel(config=config, tensors=tensors, files=files)
+        # the files of the base model (GPT-2 as the Hub stores it: wte.weight, h.0...) leave its prefix out
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files)
 
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x).logits
