@@ -233,3 +233,32 @@ def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["n_positions"], config["n_layer"], config["vocab_size"]) == (48, 2, 100)
+
+
+def test_a_launch_draws_no_init_for_what_a_checkpoint_or_init_from_fills(tmp_path):
+    """The random init of a tensor that the launch then loads whole is skipped: a run from a GPT-2 folder draws only
+    the embedding (its padding rows, 28 of 128, are in no file), its relaunch resuming a checkpoint draws nothing,
+    a fresh run draws every tensor. The resumed run ends where the uninterrupted one does."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    task = f"task.name={ROOT / 'tests' / 'init_log_task.py'}:LoggedInit"
+    log = tmp_path / "init.log"
+
+    def launch(run: str, *overrides: str) -> list[str]:
+        log.write_text("")
+        proc = subprocess.run([PY, "-m", "train", *LM, task, f"run.dir={tmp_path / run}", "checkpoint.every=2",
+                               *overrides], cwd=ROOT, env=clean_env(INIT_LOG=str(log)), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return log.read_text().split()
+
+    from train import config
+
+    cfg = config.load("configs/gpt.yaml", LM[2:])
+    every = [n for n, _ in cfg.task_class(cfg.task, cfg.seed).model().named_parameters()]
+    assert len(every) == 52 and launch("fresh", "train.steps=1") == every
+    assert launch("run", f"task.init_from={folder}", "train.steps=2") == ["transformer.wte.weight"]
+    assert launch("run", f"task.init_from={folder}", "train.steps=4") == []
+    assert launch("ref", f"task.init_from={folder}", "train.steps=4") == ["transformer.wte.weight"]
+    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "run")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k

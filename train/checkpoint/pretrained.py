@@ -56,6 +56,25 @@ def load(model: nn.Module, task, source: str, log) -> None:
     log.info(f"{option}={source}: the first step starts from the weights of the {what} {path}")
 
 
+def covers(model: nn.Module, task, source: str) -> set[str]:
+    """The names of the tensors of `model` (built, on meta or not) that load(model, task, source) writes whole:
+    not those it leaves to their init (a padded vocabulary's extra rows, buffers that no file holds). Empty
+    where `source` is neither kind of folder (load then says so)."""
+    path = Path(source)
+    if is_hf_folder(path):
+        hf = task.hf_model(model)
+        if hf is None:
+            return set()
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        return {name for name, spec in hf.tensors.items()
+                if name in tensors and (not spec.rows or spec.rows == tensors[name].shape[0])}
+    try:
+        _checkpoint(path)
+    except ConfigError:
+        return set()
+    return set(model.state_dict().keys())  # _load_checkpoint loads the model's whole state
+
+
 def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
