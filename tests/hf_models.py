@@ -30,7 +30,7 @@ def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = False, seed: int = 0,
-               tokenizer: bool = True) -> Path:
+               tokenizer: bool = True, max_shard_size: str | None = None) -> Path:
     """A LlamaForCausalLM of 2 layers, 4 heads (2 key/value heads: grouped-query attention), width 32, MLP 64: its
     weights drawn around transformers' init (the norms away from 1, so that a norm left at its init shows), and,
     with `tokenizer`, a tokenizer.json of at most `vocab` tokens (tiny_tokenizer) beside it, as a real folder has."""
@@ -42,9 +42,26 @@ def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = 
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
         tiny_tokenizer(folder, vocab)
+    return folder
+
+
+def tiny_other(folder: Path, model_type: str, vocab: int = 128, positions: int = 64, seed: int = 0) -> Path:
+    """A model of 2 layers, width 32 of another architecture: gpt_neox (Pythia: transformers renames its embed_out
+    to lm_head as it loads it) or gpt_neo (no sdpa attention in transformers)."""
+    torch.manual_seed(seed)
+    if model_type == "gpt_neox":
+        config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, vocab_size=vocab, max_position_embeddings=positions)
+        model = transformers.GPTNeoXForCausalLM(config)
+    else:
+        config = transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=vocab,
+                                           max_position_embeddings=positions, window_size=16, bos_token_id=0,
+                                           eos_token_id=1, attention_types=[[["global", "local"], 1]])
+        model = transformers.GPTNeoForCausalLM(config)
+    model.save_pretrained(folder)
     return folder
 
 

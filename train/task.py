@@ -73,6 +73,7 @@ class HFModel:
     tensors: dict[str, HFTensor]
     base_prefix: str = ""
     files: tuple[str, ...] = ()  # other files export writes beside (the tokenizer of the folder it came from)
+    missing: str = ""  # why a tensor may be missing from a folder of this architecture, where the task knows
 
 
 def is_hf_folder(path: Path) -> bool:

@@ -80,6 +80,7 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
     if not files:
         raise ConfigError(f"{option}: {folder} holds no *.safetensors file (a pytorch_model.bin folder: load it with "
                           f"transformers and save_pretrained it again, which writes safetensors)")
+    _check_files(folder, files, option)
     reader = dcp.HuggingFaceStorageReader(str(folder))
     try:
         metadata = reader.read_metadata().state_dict_metadata
@@ -96,7 +97,8 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
             key = key[len(hf.base_prefix):]  # files of the base model (GPT2Model's) leave the prefix out
         if key not in stored:
             raise ConfigError(f"{option}: {folder} has no tensor {spec.name} (it has {len(stored)}, e.g. "
-                              f"{', '.join(sorted(stored)[:3])}): is it a model of this architecture?")
+                              f"{', '.join(sorted(stored)[:3])}): "
+                              f"{hf.missing or 'is it a model of this architecture?'}")
         shape = tuple(ours.shape)
         if spec.transposed:
             shape = shape[::-1]
@@ -132,6 +134,30 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
                                              src_data_rank=None))
             else:
                 ours.copy_(whole)
+
+
+LFS = b"version https://git-lfs"  # how a git-lfs pointer file begins
+
+
+def _check_files(folder: Path, files: list[Path], option: str) -> None:
+    """The safetensors files that a folder copied in part lacks, named: a git-lfs pointer in a weights file's place
+    (a clone without `git lfs pull`), a shard that the index names and the folder does not hold."""
+    for f in files:
+        with open(f, "rb") as fh:
+            if fh.read(len(LFS)) == LFS:
+                raise ConfigError(f"{option}: {f} is a git-lfs pointer file, not the weights (a git clone without "
+                                  f"git-lfs): run `git lfs pull` in the clone, or copy the folder with `hf download`")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{option}: {index} does not read as a safetensors index ({e})") from None
+        missing = sorted(name for name in shards if not (folder / name).is_file())
+        if missing:
+            raise ConfigError(f"{option}: {folder} lacks {len(missing)} of the {len(shards)} safetensors files that "
+                              f"its model.safetensors.index.json names ({', '.join(missing[:3])}): a copy or a "
+                              f"download that stopped early; copy the whole folder again")
 
 
 def _checkpoint(path: Path, option: str = KEY) -> Path:
