@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-python lint bench clean-runs
+.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -20,12 +20,19 @@ $(VENV)/.deps: requirements.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "error: $(PYTHON) is \
 	not Python 3.11 or newer ($$($(PYTHON) --version 2>&1)): run with PYTHON=python3.11 (or 3.12, 3.13)" >&2; exit 2; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(TORCH),)
 	$(PY) -m pip install -q -r requirements.txt
+else
+	PIP_CONFIG_FILE=/dev/null $(PY) -m pip install -q torch==$(TORCH) torchvision==$(TORCHVISION)
+	$(PY) -m $(KEEP_TORCH_INSTALL)
+endif
 	@touch $@
 
-# The development set-up adds the tests' tools and the optional Hugging Face trio (requirements-hf.txt).
+# The development set-up adds the tests' tools and the optional Hugging Face trio (requirements-hf.txt); with
+# TORCH=, less requirements-dev.txt's `-r requirements.txt` (the pins).
 $(VENV)/.dev: $(VENV)/.deps requirements-dev.txt requirements-hf.txt
-	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-hf.txt
+	$(PY) -m pip install -q $(if $(TORCH),-r <(grep -v '^-r requirements.txt' requirements-dev.txt),-r \
+		requirements-dev.txt) -r requirements-hf.txt
 	@touch $@
 
 venv: $(VENV)/.deps
@@ -40,12 +47,37 @@ train-local: venv
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The checkpoint and resume tests under another Python docs/testing.md names (CI: 3.13; a checkpoint's pickled
+# The checkpoint and resume tests under another Python docs/dev/testing.md names (CI: 3.13; a checkpoint's pickled
 # classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
 OTHER_PYTHON ?= python3.13
 OTHER_TESTS ?= tests/test_resume.py tests/test_checkpoint_format.py
 test-python:
 	$(MAKE) test PYTHON=$(OTHER_PYTHON) VENV=.venv-$(notdir $(OTHER_PYTHON)) PYTEST_ARGS="$(OTHER_TESTS)"
+
+# A chosen set of tests under another torch of the supported range (README; CI: its two ends, 2.11.0 and 2.15.0),
+# in a venv of its own (.venv-torch2.11.0) installed as a cluster's image would be: that torch and its torchvision
+# first, then the README's install that keeps them (KEEP_TORCH_INSTALL). The launcher, a sync save and three
+# async ones in a row, a resume, FSDP2, the HF reader and writer, a stop and its budget.
+#   make test-torch TORCH=2.11.0 [TORCHVISION=0.26.0] [OTHER_PYTHON=python3.13]
+TORCH ?=
+TORCHVISION_2.11.0 := 0.26.0
+TORCHVISION_2.15.0 := 0.29.2
+TORCHVISION ?= $(TORCHVISION_$(TORCH))
+# (The torch's own install reads no pip configuration file: a machine's cap on torch, such as one in
+# /etc/xdg/pip/pip.conf, does not hold back the torch asked for.)
+KEEP_TORCH_INSTALL = pip install -q -r <(grep -vE '^(torch|torchvision)==' requirements.txt)
+TORCH_TESTS ?= tests/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
+	tests/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
+	tests/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
+	"tests/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
+	tests/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
+	tests/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
+# venv-torch: that venv alone (.ci/run installs both while the whole suite runs)
+venv-torch test-torch:
+	@test -n "$(TORCH)" -a -n "$(TORCHVISION)" || { echo "error: name the torch (and, for one other than \
+	2.11.0 and 2.15.0, its torchvision): make $@ TORCH=2.11.0, or TORCH=X TORCHVISION=Y" >&2; exit 2; }
+	$(MAKE) $(if $(filter venv-torch,$@),dev,test) PYTHON=$(OTHER_PYTHON) VENV=.venv-torch$(TORCH) TORCH=$(TORCH) \
+		TORCHVISION=$(TORCHVISION) PYTEST_ARGS='$(TORCH_TESTS)'
 
 lint: dev
 	$(VENV)/bin/ruff check train tests bench examples

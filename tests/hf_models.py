@@ -126,3 +126,60 @@ def without_prefix(folder: Path, prefix: str = "transformer.") -> Path:
                if k != "lm_head.weight"}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def word_tokenizer(folder: Path, vocab: int, specials: list[str], bos: str | None, eos: str | None,
+                   chat_template: str = "") -> Path:
+    """A word-level tokenizer of exactly `vocab` tokens (specials first, then words w0, w1, ... split at spaces and
+    punctuation, decoded joined by spaces), a Llama-style <bos> $A post-processor where `bos` is set: tokenizer.json and
+    the tokenizer_config.json (bos/eos tokens, the chat template) that transformers' AutoTokenizer reads."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    words = {t: i for i, t in enumerate(specials)} | {f"w{i}": len(specials) + i for i in range(vocab - len(specials))}
+    tok = Tokenizer(models.WordLevel(words, unk_token=specials[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, words[bos])])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab
+    return folder
+
+
+ROLES = ["system", "user", "assistant"]
+# Llama 3's chat template, its date and tools left out: <|begin_of_text|>, then each turn as a header and <|eot_id|>.
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# ChatML (Qwen's, SmolLM2's): no BOS, each turn <|im_start|>role\n ... <|im_end|>\n.
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def chat_tokenizer(folder: Path, style: str, words: int = 200) -> Path:
+    """A word-level tokenizer with a chat template: Llama 3's (`llama3`) or ChatML (`chatml`), its special tokens,
+    the roles and `words` words w0, w1, ..."""
+    if style == "llama3":
+        return word_tokenizer(folder, len(LLAMA3_SPECIALS) + 3 + words, LLAMA3_SPECIALS + ROLES, None,
+                              "<|eot_id|>", LLAMA3_TEMPLATE) and _bos(folder, "<|begin_of_text|>")
+    return word_tokenizer(folder, len(CHATML_SPECIALS) + 3 + words, CHATML_SPECIALS + ROLES, None, "<|im_end|>",
+                          CHATML_TEMPLATE)
+
+
+def _bos(folder: Path, bos: str) -> Path:
+    """tokenizer_config.json's bos_token (the template writes it; the post-processor adds none, as Llama 3's chat
+    models' apply_chat_template encodes without special tokens)."""
+    import json
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": bos}))
+    return folder

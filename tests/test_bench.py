@@ -3,7 +3,10 @@ gets a row per figure. Timings are printed, never asserted."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+
+import pytest
 
 from tests.conftest import PY, ROOT, clean_env
 
@@ -41,3 +44,15 @@ def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
                 "host copy of the whole state"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(row))
         assert float(line[50:].split()[0]) > 0, line
+
+
+def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
+    """bench/prepare_memory.py (run by hand: docs/language-models.md quotes it) still runs on a 1 MB corpus, and
+    says how many tokens it made and its peak memory above the imports."""
+    pytest.importorskip("tokenizers", reason="pip install -r requirements-hf.txt")
+    proc = subprocess.run([PY, "bench/prepare_memory.py", "--mb", "1", "--vocab", "500", "--json",
+                           str(tmp_path / "f.json")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["tokens"] > 200_000 and figures["peak_rss_mib"] > figures["imports_rss_mib"] > 0, figures

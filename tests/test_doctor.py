@@ -133,3 +133,29 @@ def test_a_rank_whose_all_reduce_is_wrong_fails_with_its_rank_and_host(tmp_path)
     assert not any(f"rank 0 on {HOST}" in r for r in table["all-reduce"])  # the healthy rank is not blamed
     assert proc.stderr.strip().splitlines()[-1] == "error: the preflight doctor failed: see its FAIL rows above"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_transport_row_names_the_fix_for_sockets_on_an_unreachable_interface(tmp_path):
+    """NCCL's log (NCCL_DEBUG=INFO, its documented lines; no GPU here to make NCCL write them) read by the doctor:
+    sockets on loopback or a container bridge between nodes FAIL with NCCL_SOCKET_IFNAME; on one node they are
+    fine; sockets where RDMA devices exist name NCCL_IB_HCA / NCCL_IB_DISABLE (the devices are this machine's)."""
+    from train import doctor
+
+    def row(lines: list[str], nodes: int):
+        log = tmp_path / "nccl.log"
+        log.write_text("\n".join(f"node1:123:123 [0] NCCL INFO {line}" for line in lines) + "\n")
+        return doctor._transport("nccl", str(log), "rank 0 on node1", nodes)
+
+    bridge = ["Bootstrap : Using docker0:172.17.0.1<0>", "NET/Plugin: No plugin found (libnccl-net.so)",
+              "NET/Socket : Using [0]docker0:172.17.0.1<0>", "Using network Socket"]
+    bad = row(bridge, nodes=2)
+    assert not bad.ok and "NCCL picked docker0 (172.17.0.1)" in bad.result and "NCCL_SOCKET_IFNAME" in bad.result
+    assert row(bridge, nodes=1).ok  # one node: NCCL goes over NVLink/PCIe, sockets only bootstrap
+    good = row(["NET/Socket : Using [0]eth0:10.1.2.3<0>", "Using network Socket"], nodes=2)
+    assert "NCCL_SOCKET_IFNAME" not in good.result and "TCP sockets" in good.result
+    if good.ok:  # no RDMA device here: the row says how to get InfiniBand
+        assert "install rdma-core" in good.result
+    else:
+        assert "NCCL_IB_HCA" in good.result and "NCCL_IB_DISABLE" in good.result
+    ib = row(["NET/IB : Using [0]mlx5_0:1/IB ; OOB eth0:10.1.2.3<0>", "Using network IB"], nodes=2)
+    assert ib.ok and "NCCL network IB" in ib.result

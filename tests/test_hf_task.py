@@ -265,10 +265,11 @@ def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_and_refuses_what_uint16_cannot_hold(tmp_path):
-    """--tokenizer PATH (a model folder or its tokenizer.json): each file encoded whole as the tokenizer does it (its
-    post-processor's <|begin_of_text|> first); a vocabulary beyond uint16, or a file that is no tokenizer: one line,
-    exit 2, nothing written."""
+def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_with_documents_kept_apart(tmp_path, monkeypatch):
+    """--tokenizer PATH (a model folder or its tokenizer.json): each file its post-processor's <|begin_of_text|>, its
+    tokens, then the tokenizer's <|end_of_text|> (tokenizer_config.json's eos_token); read in blocks of 64 characters,
+    4 encoded at a time, the tokens are those of the whole text; a .jsonl file is a document a line; a file that is
+    no tokenizer, one without an end-of-text token, a line without "text": one line, exit 2, nothing written."""
     from tokenizers import Tokenizer, models
 
     from train import prepare as prepare_cmd
@@ -279,21 +280,255 @@ def test_prepare_with_a_hugging_face_tokenizer_writes_its_ids_and_refuses_what_u
     texts = [hf_models.TEXT * 3, "the lazy dog saves nine. " * 20]
     for i, text in enumerate(texts):
         (tmp_path / "in" / f"{i}.txt").write_text(text)
+    monkeypatch.setattr(prepare_cmd, "BLOCK_CHARS", 64)
+    monkeypatch.setattr(prepare_cmd, "BATCH", 2)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for i, where in enumerate((folder, folder / "tokenizer.json")):
         assert prepare_cmd.main([str(tmp_path / "in"), str(tmp_path / f"out{i}"), "--tokenizer", str(where)]) == 0
         back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
                 for p in sorted((tmp_path / f"out{i}").glob(f"in_{split}_*.bin"))]
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        assert sum(back, []) == [t for text in texts for t in tok.encode(text).ids]
+        assert sum(back, []) == [t for text in texts for t in [*tok.encode(text).ids, 1]]  # 1: <|end_of_text|>
         assert back[0][0] == 0  # <|begin_of_text|>
+        assert tok.decode(sum(back, []), skip_special_tokens=False) == "".join(
+            f"<|begin_of_text|>{text}<|end_of_text|>" for text in texts)
 
-    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
-    big.save(str(tmp_path / "big.json"))
+    docs = ["the quick brown fox.", "a stitch in time saves nine. " * 9, "all that glitters"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs * 4))
+    assert prepare_cmd.main([str(tmp_path / "docs.jsonl"), str(tmp_path / "jsonl"), "--tokenizer", str(folder)]) == 0
+    back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
+            for p in sorted((tmp_path / "jsonl").glob(f"docs_{split}_*.bin"))]
+    assert sum(back, []) == [t for d in docs * 4 for t in [*tok.encode(d).ids, 1]]  # a document a line
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.jsonl").write_text(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"txt": "x"}))
+
+    chat = hf_models.chat_tokenizer(tmp_path / "chat", "llama3")  # eos_token <|eot_id|>: a turn's end, not a text's
+    (tmp_path / "words").mkdir()
+    (tmp_path / "words" / "w.txt").write_text("w1 w2 w3 " * 20)
+    assert prepare_cmd.main([str(tmp_path / "words"), str(tmp_path / "chat-out"), "--tokenizer", str(chat)]) == 0
+    back = [shards.open_shard(p).tokens().tolist() for split in ("train", "val")
+            for p in sorted((tmp_path / "chat-out").glob(f"words_{split}_*.bin"))]
+    assert sum(back, [])[-1] == 1 and Tokenizer.from_file(str(chat / "tokenizer.json")).id_to_token(1) == (
+        "<|end_of_text|>")
+
+    bare = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    bare.save(str(tmp_path / "bare.json"))
     (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
-    for where, words in ((tmp_path / "big.json", "has a vocabulary of 70000 tokens; shards hold uint16 token ids"),
-                         (tmp_path / "bad.json", "does not read as a Hugging Face tokenizer")):
-        proc = subprocess.run([PY, "-m", "train.prepare", str(tmp_path / "in"), str(tmp_path / "o"), "--tokenizer",
+    for data, where, words in ((tmp_path / "in", tmp_path / "bare.json", "has no end-of-text token to put between"),
+                               (tmp_path / "in", tmp_path / "bad.json", "does not read as a Hugging Face tokenizer"),
+                               (tmp_path / "bad", folder, "b.jsonl:2: not a JSON object with \"text\"")):
+        proc = subprocess.run([PY, "-m", "train.prepare", str(data), str(tmp_path / "o"), "--tokenizer",
                                str(where)], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_128256_token_vocabulary_prepares_uint32_shards_that_both_tasks_train_on(tmp_path):
+    """Llama 3's vocabulary size: prepare writes llm.c's llama-3 shards (magic 20240801, version 7, uint32), whose
+    tokens decode back to the text, ids over 65535 included; the built-in GPT and a Llama of that vocabulary train on
+    them a few steps; nanoGPT's uint16 format is refused in one line."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    vocab = 128_256
+    model = hf_models.tiny_llama(tmp_path / "model", vocab=vocab, tokenizer=False)
+    hf_models.word_tokenizer(model, vocab, ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|>",
+                             "<|end_of_text|>")
+    rng = np.random.default_rng(0)
+    (tmp_path / "in").mkdir()
+    texts = [" ".join(f"w{i}" for i in rng.integers(0, vocab - 2, n)) for n in (1500, 700)]
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"{i}.txt").write_text(text)
+    out = tmp_path / "shards"
+    assert prepare_cmd.main([str(tmp_path / "in"), str(out), "--tokenizer", str(model)]) == 0
+    header = np.fromfile(out / "in_train_000000.bin", dtype="<i4", count=256)
+    assert header[:2].tolist() == [20240801, 7]
+    back = [shards.open_shard(p) for split in ("train", "val") for p in sorted(out.glob(f"in_{split}_*.bin"))]
+    assert all(s.dtype == np.dtype("<u4") for s in back)
+    ids = np.concatenate([s.tokens() for s in back])
+    assert len(ids) == 1500 + 700 + 4 and ids.max() > 2**16
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    assert tok.decode(ids.tolist(), skip_special_tokens=False) == " ".join(
+        f"<|begin_of_text|> {text} <|end_of_text|>" for text in texts)
+
+    few = ["train.steps=2", "train.eval_every=2", "checkpoint.every=0"]
+    gpt = [PY, "-m", "train", "--config", "configs/gpt.yaml", f"task.data={out}", f"task.vocab_size={vocab}",
+           "task.model=nano", "task.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
+           "data.num_workers=0", "train.log_every=1", "log.wandb.mode=disabled", "log.report=false",
+           f"run.dir={tmp_path / 'gpt'}", *few]
+    for cmd in (gpt, [PY, "-m", "train", *HF, f"task.path={model}", f"task.data={out}", f"run.dir={tmp_path / 'hf'}",
+                      "train.global_batch_size=4", "dist.strategy=ddp", *few]):
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for run in (tmp_path / "gpt", tmp_path / "hf"):
+        losses = train_losses(run)
+        assert len(losses) == 2 and all(10 < v < 13 for v in losses.values()), losses  # about ln(128256) = 11.76
+
+    proc = subprocess.run([PY, "-m", "train.prepare", str(tmp_path / "in"), str(tmp_path / "o"), "--tokenizer",
+                           str(model), "--format", "nanogpt"], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "more than nanoGPT's uint16 files hold" in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def chats(path: Path, conversations: list[list[tuple[str, str]]]) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) + "\n"
+                            for conv in conversations))
+    return path
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_chat_prepare_masks_the_assistant_turns_through_the_tokenizers_own_template(tmp_path, style):
+    """--chat renders each conversation with the tokenizer's chat template (a Llama-3-style and a ChatML-style one,
+    neither with {% generation %} markers): the mask beside the shards counts the assistant's tokens and the end of
+    each of its turns, nothing else; the windows hold one conversation each (a longer one split at window boundaries,
+    still masked), padded, the targets that do not count IGNORE."""
+    import numpy as np
+
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    folder = hf_models.chat_tokenizer(tmp_path / "model", style)
+    conv = [("system", "w1 w2"), ("user", "w3 w4 w5"), ("assistant", "w6 w7"), ("user", "w8"), ("assistant", "w9")]
+    long = [("user", " ".join(f"w{i}" for i in range(40))), ("assistant", " ".join(f"w{i}" for i in range(100, 140)))]
+    data = chats(tmp_path / "chats.jsonl", [conv] * 6 + [long] + [conv] * 3)
+    assert prepare_cmd.main([str(data), str(tmp_path / "out"), "--tokenizer", str(folder), "--chat",
+                             "--val-fraction", "0.2"]) == 0
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "chats_train_000000.bin", "chats_train_000000.mask", "chats_val_000000.bin", "chats_val_000000.mask"]
+    tokens = np.concatenate([shards.open_shard(out / f"chats_{s}_000000.bin").tokens() for s in ("train", "val")])
+    mask = np.concatenate([np.fromfile(out / f"chats_{s}_000000.mask", np.uint8) for s in ("train", "val")])
+    transformers = hf_models.transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = lambda text: tok.convert_tokens_to_ids(text.split())  # noqa: E731
+    if style == "llama3":
+        turn = lambda role, text, *, counted=False: [(t, False) for t in ids(  # noqa: E731
+            f"<|start_header_id|> {role} <|end_header_id|>")] + [(t, counted) for t in ids(f"{text} <|eot_id|>")]
+        first = [(ids("<|begin_of_text|>")[0], False)]
+    else:
+        turn = lambda role, text, *, counted=False: [(t, False) for t in ids(f"<|im_start|> {role}")] + [  # noqa: E731
+            (t, counted) for t in ids(f"{text} <|im_end|>")]
+        first = []
+    expect = []
+    for c in [conv] * 6 + [long] + [conv] * 3:
+        one = first + [x for role, text in c for x in turn(role, text, counted=role == "assistant")]
+        expect += [(t, int(counted) | (2 if i == 0 else 0)) for i, (t, counted) in enumerate(one)]
+    assert list(zip(tokens.tolist(), mask.tolist(), strict=True)) == expect
+
+    seq_len = 16
+    train = shards.MaskedWindows([shards.open_shard(out / "chats_train_000000.bin")], seq_len)
+    starts = np.flatnonzero(mask[:len(train.shards[0].tokens())] & 2).tolist() + [train.shards[0].count]
+    expected = []  # independently: each conversation in windows of seq_len + 1 from its start, every seq_len tokens
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        expected += [(b, min(b + seq_len + 1, hi)) for b in range(lo, hi - 1, seq_len)]
+    assert len(train) == len(expected) > 7
+    for i, (b, e) in enumerate(expected):
+        x, y = train[i]
+        n = e - b - 1
+        assert x[:n].tolist() == tokens[b:e - 1].tolist() and not x[n:].any()
+        want = [t if m & 1 else shards.IGNORE for t, m in zip(tokens[b + 1:e], mask[b + 1:e], strict=True)]
+        assert y.tolist() == want + [shards.IGNORE] * (seq_len - n)
+    assert any(y.ne(shards.IGNORE).sum() > 0 for x, y in (train[i] for i in range(len(train))))
+
+
+def test_chat_errors_are_one_line(tmp_path, capsys):
+    """A tokenizer without a chat template, a line that is no conversation, one without an assistant turn, masks
+    missing beside some shards: one line naming the cause."""
+    from train import prepare as prepare_cmd
+    from train.config import ConfigError
+    from train.tasks import shards
+
+    plain = hf_models.tiny_tokenizer(tmp_path / "plain")
+    folder = hf_models.chat_tokenizer(tmp_path / "model", "chatml")
+    ok = [("user", "w1"), ("assistant", "w2")]
+    cases = [
+        (plain, chats(tmp_path / "a.jsonl", [ok] * 4), "has no chat template"),
+        (folder, tmp_path / "none.jsonl", "is not a file"),
+        (folder, chats(tmp_path / "b.jsonl", [ok, [("user", "w1")]]), "b.jsonl:2: no assistant turn"),
+    ]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n{oops\n")
+    cases.append((folder, tmp_path / "c.jsonl", "c.jsonl:1: no assistant turn"))
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    cases.append((folder, tmp_path / "d.jsonl", "d.jsonl:1: not a JSON object with \"messages\""))
+    for model, data, words in cases:  # in this process: transformers is imported once
+        capsys.readouterr()
+        rc = prepare_cmd.main([str(data), str(tmp_path / "o"), "--tokenizer", str(model), "--chat"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (words, lines)
+        assert not (tmp_path / "o").exists()
+    assert prepare_cmd.main([str(chats(tmp_path / "e.jsonl", [ok] * 10)), str(tmp_path / "e"), "--tokenizer",
+                             str(folder), "--chat"]) == 0
+    (tmp_path / "e" / "e_val_000000.mask").unlink()
+    with pytest.raises(ConfigError, match="e_val_000000.bin has no loss mask"):
+        shards.windows(str(tmp_path / "e"), "", "auto", 4, 300)
+
+
+def test_a_masked_chat_run_learns_the_assistant_where_the_same_data_unmasked_does_not(tmp_path):
+    """Conversations whose user turns are 12 random words of 200 and whose assistant turn is always the same 4 words:
+    the built-in GPT (nano, windows of 32: a conversation each) trained 300 steps on the masked shards gets the
+    evaluation loss on the assistant's tokens near 0; on the same shards without their masks, the loss over every
+    token stays above 0.8 x the user words' share of the tokens x their entropy (ln 200)."""
+    import math
+
+    import numpy as np
+
+    from tests.conftest import summary
+    from train import prepare as prepare_cmd
+
+    folder = hf_models.chat_tokenizer(tmp_path / "model", "chatml", words=204)
+    rng = np.random.default_rng(0)
+    convs = [[("user", " ".join(f"w{i}" for i in rng.integers(0, 200, 12))), ("assistant", "w200 w201 w202 w203")]
+             for _ in range(1200)]
+    out = tmp_path / "out"
+    assert prepare_cmd.main([str(chats(tmp_path / "chats.jsonl", convs)), str(out), "--tokenizer", str(folder),
+                             "--chat"]) == 0
+    per_conv = 2 + 12 + 1 + 2 + 4 + 1  # <|im_start|> user (12 words) <|im_end|> <|im_start|> assistant (4) <|im_end|>
+    bound = 0.8 * 12 / per_conv * math.log(200)
+    runs = {}
+    for name in ("masked", "unmasked"):
+        if name == "unmasked":
+            for mask in out.glob("*.mask"):
+                mask.unlink()
+        cmd = [PY, "-m", "train", "--config", "configs/gpt.yaml", f"task.data={out}", "task.vocab_size=210",
+               "task.model=nano", "task.seq_len=32", "train.steps=300", "train.global_batch_size=16",
+               "train.micro_batch_size=16", "train.eval_every=0", "train.log_every=50", "checkpoint.every=0",
+               "data.num_workers=0", "log.wandb.mode=disabled", "log.report=false", f"run.dir={tmp_path / name}"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = summary(tmp_path / name)["eval_loss"]
+    assert runs["masked"] < 0.05 and runs["unmasked"] > bound, (runs, bound)
+
+
+def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_only(tmp_path):
+    """The Hugging Face task on masked shards: its windows are a conversation each, its loss the mean cross entropy of
+    transformers' logits over the assistant's targets alone, its evaluation summed over them and counting them."""
+    import torch.nn.functional as F
+
+    from train import config
+    from train import prepare as prepare_cmd
+    from train.tasks import shards
+
+    folder = hf_models.tiny_llama(tmp_path / "model", vocab=206, tokenizer=False)
+    hf_models.chat_tokenizer(folder, "chatml")
+    conv = [("user", "w3 w4 w5"), ("assistant", "w6 w7"), ("user", "w8"), ("assistant", "w9 w10 w11")]
+    assert prepare_cmd.main([str(chats(tmp_path / "chats.jsonl", [conv] * 20)), str(tmp_path / "out"),
+                             "--tokenizer", str(folder), "--chat"]) == 0
+    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", f"task.data={tmp_path / 'out'}", "task.seq_len=32"])
+    task = cfg.task_class(cfg.task, cfg.seed)
+    train, val = task.datasets()
+    assert isinstance(train, shards.MaskedWindows) and len(train) == 18 and len(val) == 2  # a conversation a window
+    x, y = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
+    counted = y != shards.IGNORE
+    assert counted.sum() == 4 * 7  # w6 w7 <|im_end|> w9 w10 w11 <|im_end|>
+    _, model = task_model(folder)
+    with torch.no_grad():
+        logits = hf_models.logits_of(folder, x)
+        expect = F.cross_entropy(logits[counted], y[counted])
+        assert task.loss(model, (x, y)).item() == pytest.approx(expect.item(), rel=1e-5)
+        ev = task.eval_step(model, (x, y))
+    assert ev["count"] == 28 and ev["loss"].item() == pytest.approx(28 * expect.item(), rel=1e-5)

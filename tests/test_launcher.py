@@ -178,6 +178,63 @@ def test_a_killed_loader_worker_is_named_whatever_wording_torch_uses(tmp_path):
         proc.stdout + proc.stderr[-3000:]
 
 
+# Rank 0 (it hosts the store the ranks share) fails at once in its first batch; rank 1 is held 3 s, then meets a
+# peer that is gone: its store and its collective fail too, in words (DistNetworkError, "Connection was likely
+# closed") that read like an unreachable rendezvous.
+OWN_ERRORS = {
+    "in the training step": ("train.trainer", """
+import os, time
+real = module.train_step
+def train_step(parts, *args, **kwargs):
+    if os.environ["RANK"] == "0":
+        raise RuntimeError("boom: a bug in the user's model")
+    time.sleep(3)
+    return real(parts, *args, **kwargs)
+module.train_step = train_step
+""", "RuntimeError: boom: a bug in the user's model"),
+    "in a loader worker": ("train.parallel.data", """
+import os, time
+real = module.SeededSamples._seeded
+def _seeded(self, index, epoch):
+    if os.environ["RANK"] == "0":
+        raise ValueError(f"sample {index} does not parse")
+    time.sleep(3)
+    return real(self, index, epoch)
+module.SeededSamples._seeded = _seeded
+""", "ValueError: sample "),
+}
+
+
+@pytest.mark.parametrize("where", OWN_ERRORS)
+def test_the_last_line_names_the_failing_rank_s_own_error_not_what_the_others_ran_into(tmp_path, where):
+    """A bug on one rank at its first batch: the launcher's last line is that rank's exception line (from its
+    FAILED marker), never a rendezvous nobody had trouble with (issue 49), nor only an exit code."""
+    module, patch, error = OWN_ERRORS[where]
+    env = after_import(tmp_path, module, patch)
+    rc, out, err = finish(launch(tmp_path / "run", "train.steps=3", "data.num_workers=1", env=env, paced=False))
+    assert rc == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: rank 0 failed: {error}") and last.endswith("(its traceback is above)"), \
+        err[-3000:]
+    assert "rendezvous" not in last
+
+
+def test_a_rank_killed_mid_run_is_named_not_the_rendezvous_its_peers_then_cannot_reach(tmp_path):
+    """Rank 0, which hosts the store the ranks share, SIGKILLed after step 2 (the out-of-memory killer): rank 1
+    then fails to reach that store (DistNetworkError, "Connection was likely closed"), which is not a rendezvous
+    to blame once training began; the last line names the rank torchrun saw end first."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *RUNNING)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
+    os.kill(workers(proc.pid)[0], signal.SIGKILL)
+    rc, out, err = finish(proc)
+    assert rc == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    crash = (r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up after 0 "
+             r"restart\(s\) \(--max-restarts=0\); see its log in the run directory")
+    assert re.fullmatch(crash, last), err[-3000:]
+
+
 def _catches(pid: int, sig: signal.Signals) -> bool:
     """Whether a process has a handler installed for `sig` (its SigCgt mask in /proc)."""
     try:

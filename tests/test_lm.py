@@ -159,23 +159,45 @@ def llmc_header(magic: int, version: int, count: int) -> bytes:
     return header.tobytes()
 
 
-@pytest.mark.parametrize("kind", ["llama-3", "eval"])
-def test_llmc_files_of_another_kind_are_refused_by_name(tmp_path, kind):
-    """llm.c's llama-3 shards (uint32 tokens) and its HellaSwag/MMLU evaluation files: under format auto and
-    a vocabulary large enough to take their bytes as uint16 tokens, one line naming what the file is."""
+def test_llmc_evaluation_files_are_refused_by_name(tmp_path):
+    """llm.c's HellaSwag/MMLU evaluation files: under format auto and a vocabulary large enough to take their
+    bytes as uint16 tokens, one line naming what the file is."""
     toks = np.arange(2000) % 1000
-    path = tmp_path / f"edu_{kind}_train_000000.bin"
-    if kind == "llama-3":  # llm.c's data_common.py, model_desc llama-3
-        path.write_bytes(llmc_header(20240801, 7, len(toks)) + toks.astype("<u4").tobytes())
-        words = "a llama-3 token shard (llm.c's magic 20240801, version 7, uint32 tokens)"
-    else:  # its write_evalfile: magic 20240522, version 1, the number of examples
-        path.write_bytes(llmc_header(20240522, 1, 10) + toks.astype("<u2").tobytes())
-        words = "an evaluation file (llm.c's magic 20240522"
+    path = tmp_path / "edu_eval_train_000000.bin"  # its write_evalfile: magic 20240522, version 1, the examples
+    path.write_bytes(llmc_header(20240522, 1, 10) + toks.astype("<u2").tobytes())
     shards.write_shard(tmp_path / "edu_val_000000.bin", toks, "llmc")
     with pytest.raises(ConfigError) as e:
         task(data=str(tmp_path), model="nano", seq_len=16, vocab_size=65536).datasets()
     msg = str(e.value)
-    assert msg.startswith(f"{path}: {words}") and "--model_desc gpt-2" in msg and "\n" not in msg, msg
+    assert msg.startswith(f"{path}: an evaluation file (llm.c's magic 20240522") and "\n" not in msg, msg
+
+
+def test_llmc_llama3_shards_with_ids_beyond_uint16_are_read(tmp_path):
+    """llm.c's own llama-3 shards, written as its data_common.write_datafile does (magic 20240801, version 7,
+    uint32 tokens): read as they are, ids over 65535 included; a wrong version or size is one line."""
+    toks = (np.arange(3000, dtype=np.int64) * 7919) % 128_256
+    assert toks.max() > 2**16
+    (tmp_path / "edu_train_000000.bin").write_bytes(llmc_header(20240801, 7, len(toks)) + toks.astype("<u4").tobytes())
+    shards.write_shard(tmp_path / "edu_val_000000.bin", toks[:100], "llmc", dtype=shards.TOKEN32)
+    assert (tmp_path / "edu_val_000000.bin").read_bytes()[:1024] == llmc_header(20240801, 7, 100)
+    train, val = task(data=str(tmp_path), model="nano", seq_len=16, vocab_size=128_256).datasets()
+    expected = windows_of(toks, 16)
+    assert len(train) == len(expected) and len(val) == 6
+    for i in (0, 57, len(expected) - 1):
+        assert train[i][0].tolist() == expected[i][:-1].tolist() and train[i][1].tolist() == expected[i][1:].tolist()
+    with pytest.raises(ConfigError, match="token id 128211 >= task.vocab_size 65536"):
+        task(data=str(tmp_path), model="nano", seq_len=16, vocab_size=65536).datasets()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x_train.bin").write_bytes(llmc_header(20240801, 1, len(toks)) + toks.astype("<u4").tobytes())
+    (bad / "x_val.bin").write_bytes(llmc_header(20240801, 7, len(toks)) + toks.astype("<u2").tobytes())
+    for name, words in (("x_train.bin", "version 1 with magic 20240801, expected 7 (32-bit tokens)"),
+                        ("x_val.bin", "truncated: its header says 3000 tokens (13024 bytes)")):
+        with pytest.raises(ConfigError) as e:
+            shards.open_shard(bad / name)
+        assert str(e.value).startswith(f"{bad / name}: ") and words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="nanoGPT's bare format holds uint16 tokens only"):
+        shards.write_shard(bad / "n.bin", toks, "nanogpt", dtype=shards.TOKEN32)
 
 
 def test_the_largest_token_id_is_read_once_per_shard_file(tmp_path):
@@ -270,7 +292,7 @@ def test_prepare_usage_errors_exit_2_in_one_line(tmp_path):
     cases = {
         (): "required",
         (str(tmp_path / "missing.txt"), str(tmp_path / "o")): "does not exist",
-        (str(tmp_path / "empty"), str(tmp_path / "o")): "no .txt file",
+        (str(tmp_path / "empty"), str(tmp_path / "o")): "no .txt or .jsonl file",
         (str(text), str(tmp_path / "full")): "already holds .bin shards",
         (str(text), str(text)): "not a folder",
         (str(text), str(tmp_path / "o"), "--val-fraction", "1"): "--val-fraction",

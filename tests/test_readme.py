@@ -58,6 +58,27 @@ def test_make_train_local_on_a_fresh_copy(tmp_path):
     assert summary["eval_accuracy"] == pytest.approx(promised, abs=0.03), summary
     assert summary["world_size"] == 2 and summary["ranks_in_sync"] is True, summary
     print(f"make train-local: {summary}")
+    # docs/first-hour.md shows this job's console output: each of its lines is one this run printed, in order,
+    # but for the numbers (times, losses, rates) and the interpreter's folder.
+    assert not missing_lines(FIRST_HOUR.read_text(), proc.stdout + proc.stderr)
+
+
+FIRST_HOUR = ROOT / "docs" / "first-hour.md"
+
+
+def missing_lines(page: str, printed: str) -> list[str]:
+    """The lines of a page's console block (the one that starts with the launcher's command) that `printed` does not
+    hold in that order, numbers aside."""
+    shown = re.search(r"```\n(\.venv/bin/python -m train\.launch .*?)```", page, re.S).group(1).splitlines()
+    out, missing = iter(printed.splitlines()), []
+    for line in shown:
+        parts = re.split(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)", line)
+        shape = "".join(r"[\d.e+-]+" if i % 2 else re.escape(p) for i, p in enumerate(parts))
+        shape = shape.replace(re.escape(".venv/"), r"\S*\.venv/")  # torchrun's line names the venv by its full path
+        if not any(re.search(shape, o) for o in out):
+            missing.append(line)
+            out = iter(printed.splitlines())
+    return missing
 
 
 # ---------------------------------------------------------------- every command the docs show
@@ -271,7 +292,40 @@ def test_every_command_the_docs_show_is_real():
     for module, (code, text) in module_help(sorted(options)).items():
         if code != 0:
             problems.append(f"`python -m {module} --help` exits {code}: {text[-300:]}")
+        if module == "train.launch.torchrun":  # torchrun's own process: torchrun's help
+            continue
+        if not text.startswith(f"usage: python -m {module} "):
+            problems.append(f"`python -m {module} --help` prints another's usage: {text[:80]!r}")
+        about = re.split(r"\n\n(?:positional arguments|options):", text)[0].split("\n\n")[-1].strip()
+        if not about.endswith((".", ")")) or about.startswith("usage:"):
+            problems.append(f"`python -m {module} --help`: its description is not whole: {about[-80:]!r}")
         problems += [f"`python -m {module}` has no option {o} (docs show it)" for o in sorted(options[module])
                      if not re.search(rf"(?<![\w-]){o}(?![\w-])", text)]
     problems += link_problems() + layout_problems()
     assert not problems, "\n".join(problems)
+
+
+def test_the_configuration_reference_is_the_code_s_every_key():
+    """docs/reference.md is what `python -m train.reference` writes from the dataclasses and the built-in tasks'
+    Configs: every key there (none missing, none left over), each with a meaning; `--check` says when it drifts."""
+    from train import config, reference
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    assert text == reference.page(), "docs/reference.md is out of date: python -m train.reference > docs/reference.md"
+    rows = re.findall(r"^\| `([\w.]+)` \| `[^`]*` \| ([^|]*) \|", text, re.M)
+    listed = {k for k, _ in rows}
+    assert {k for k, _, _ in reference.keys(config.Config)} <= listed and "checkpoint.async" in listed
+    assert not [k for k, meaning in rows if not meaning.strip()], "keys without a meaning (a comment on their line)"
+    proc = subprocess.run([PY, "-m", "train.reference", "--check"], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_diagram_of_the_launch_and_the_stop_is_linked_from_the_readme():
+    """One picture a reader scans instead of reading: a mermaid flowchart on a page the README links, with the
+    launcher, torchrun, the ranks, the markers and each exit code."""
+    pages = {ROOT / m for m in re.findall(r"\]\((docs/[^)#]+\.md)", README)}
+    diagrams = [d for p in pages for d in re.findall(r"```mermaid\n(.*?)```", p.read_text(), re.S)]
+    assert diagrams, "no mermaid diagram on a page the README links"
+    assert any(all(w in d for w in ("train.launch", "torchrun", "rank", "STOPPED", '"75', '"2', '"0', '"1'))
+               for d in diagrams), diagrams

@@ -31,6 +31,8 @@ SBATCH = ROOT / "slurm" / "train.sbatch"
 NEEDED = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged")
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+# The CPU-node form of slurm/train.sbatch and train.submit (both ask for 8 GPUs by default): this cluster has none.
+CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1"]
 # 16 steps (one epoch): a few seconds per run; the same for every run compared.
 OVR = [*TINY, *PACED, "train.steps=16", "dist.timeout_s=60"]  # paced: the tests signal jobs mid-run
 
@@ -193,9 +195,9 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def sbatch(cluster: SlurmHosts, tmp_path: Path, *args: str, env: dict | None = None) -> tuple[str, Path]:
-    """slurm/train.sbatch submitted from the login node, from this checkout."""
+    """slurm/train.sbatch submitted from the login node, from this checkout, in its CPU-node form."""
     out = tmp_path / "slurm-%j.out"
-    proc = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+    proc = cluster.run(["sbatch", "--parsable", "--nodes=2", *CPU_NODES, f"--output={out}",
                         str(SBATCH), *args], env=env or job_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
@@ -240,6 +242,22 @@ def test_the_warning_signal_comes_early_enough_for_the_stop_budget():
     lead = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M)[1])
     budget = int(re.search(r"^export STOP_TIMEOUT=\$\{STOP_TIMEOUT:-(\d+)\}$", text, re.M)[1])
     assert budget + 20 <= lead, (budget, lead)
+
+
+def test_submit_has_the_sbatch_defaults():
+    """train.submit is the same job as slurm/train.sbatch: the same GPUs, CPUs, time limit, warning lead, stop
+    budget, requeue bound and name when neither is told otherwise."""
+    from train.submit import parse_args, parse_time, stop_budget
+
+    text = SBATCH.read_text()
+    line = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", text, re.M))
+    default = dict(re.findall(r"^\s*(?:export )?(\w+)=\$\{\1:-(\w+)\}", text, re.M))
+    args, _ = parse_args(["--nodes", "2"])
+    assert (args.gpus_per_node, args.cpus_per_task) == (int(line["gpus-per-node"]), int(line["cpus-per-task"]))
+    assert args.time == parse_time(line["time"]) == 240 and args.name == line["job-name"]
+    assert args.signal_delay == int(line["signal"].split("@")[1]) and stop_budget(args.signal_delay) == int(
+        default["STOP_TIMEOUT"])
+    assert args.max_timeouts == int(default["MAX_REQUEUES"])
 
 
 def test_submit_requires_nodes_and_a_config():
@@ -324,6 +342,45 @@ def test_sbatch_container_wiring(slurm_cluster, tmp_path):
     assert not any(own_tmp.iterdir())
 
 
+def queued(cluster: SlurmHosts) -> set[str]:
+    """Every job the cluster knows, finished ones included (for MinJobAge)."""
+    return set(cluster.run(["squeue", "-h", "-t", "all", "-o", "%i"], timeout=30).stdout.split())
+
+
+def test_gpus_are_asked_by_default_and_a_cluster_without_gpus_refuses_them(slurm_cluster, tmp_path):
+    """Both submit 8 GPUs a node unless told --gpus-per-node=0; sbatch's refusal is what docs/slurm.md quotes,
+    and train.submit's line names the CPU-node form."""
+    before = queued(slurm_cluster)
+    proc = slurm_cluster.run(["sbatch", f"--output={tmp_path}/%j.out", str(SBATCH)], env=job_env())
+    assert proc.returncode == 1 and proc.stderr.strip() == "sbatch: error: Invalid generic resource (gres) " \
+        "specification", proc.stderr
+    # a world of 2 x 8 that the batch arithmetic allows, before and after micro-batches need not divide it
+    cmd = [PY, "-m", "train.submit", "--nodes", "2", "--", *TINY, "train.global_batch_size=256",
+           f"run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("error: submission failed: sbatch: error: Invalid generic resource (gres) "
+                                   "specification (a cluster or partition without GPUs: --gpus-per-node 0 "
+                                   "--cpus-per-task N for CPU nodes)"), proc.stderr
+    assert queued(slurm_cluster) == before
+
+
+def test_submit_refuses_a_world_the_batch_does_not_fit_before_queueing(slurm_cluster, tmp_path):
+    """--nodes 3 x 8 GPUs: 24 ranks, which configs/default.yaml's global batch of 64 does not divide."""
+    before = queued(slurm_cluster)
+    cmd = [PY, "-m", "train.submit", "--nodes", "3", "--", "--config", "configs/default.yaml",
+           f"run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: train.global_batch_size=64 does not split evenly over 24 ranks"), lines
+    assert "world size is --nodes 3 x 8 processes per node (one per GPU of --gpus-per-node)" in lines[0], lines
+    assert queued(slurm_cluster) == before and not (tmp_path / "run").exists()
+
+
 def test_job_nodes_are_separate_hosts(slurm_cluster, tmp_path, cleanup_jobs):
     """What a job's two tasks see: their own hostname and address, and the other node's name resolving to
     the other host's address (no name of the emulation's 127.0.0.1 left)."""
@@ -382,20 +439,29 @@ def test_sbatch_warning_signal_checkpoints_requeues_and_resumes(slurm_cluster, r
     same_weights(run_dir, reference)
 
 
-def test_sbatch_bad_config_is_one_line_and_not_requeued(slurm_cluster, tmp_path, cleanup_jobs):
-    job_id, out = sbatch(slurm_cluster, tmp_path, env=job_env(CONFIG="configs/missing.yaml"))
-    cleanup_jobs.append(job_id)
-    info = wait_job(slurm_cluster, job_id, timeout=120)
-    log = out.read_text()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", log
-    assert "error: config file not found: configs/missing.yaml" in log
-    assert "not requeueing" in log and "srun" not in log
+def test_sbatch_bad_config_or_world_size_is_one_line_and_not_requeued(slurm_cluster, tmp_path, cleanup_jobs):
+    """A missing config, and a world of 2 nodes x 3 processes that configs/default.yaml's global batch of 64
+    does not divide: each refused in one line before the step starts (no srun, no torchrun)."""
+    world = tmp_path / "world"
+    world.mkdir()
+    jobs = [sbatch(slurm_cluster, tmp_path, env=job_env(CONFIG="configs/missing.yaml")),
+            sbatch(slurm_cluster, world, env=job_env() | {"NPROC_PER_NODE": "3"})]
+    cleanup_jobs.extend(job_id for job_id, _ in jobs)
+    refusals = ("error: config file not found: configs/missing.yaml",
+                r"error: train\.global_batch_size=64 does not split evenly over 6 ranks")
+    for (job_id, out), error in zip(jobs, refusals, strict=True):
+        info = wait_job(slurm_cluster, job_id, timeout=120)
+        log = out.read_text()
+        assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0", log
+        errors = [line for line in log.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and re.match(error, errors[0]), log
+        assert "not requeueing" in log and "srun" not in log, log
 
 
 def test_submitit_submits_completes_and_requeues(slurm_cluster, reference, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
-           *OVR, f"run.dir={run_dir}"]
+    cmd = [PY, "-m", "train.submit", "--nodes", "2", *CPU_NODES, "--nproc-per-node", "1", "--time", "10", "--wait",
+           "--", *OVR, f"run.dir={run_dir}"]
     proc = subprocess.Popen(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -490,8 +556,8 @@ def test_sbatch_plain_scancel_cancels_without_requeue(slurm_cluster, tmp_path, c
 
 def test_submitit_does_not_requeue_a_crash(slurm_cluster, tmp_path, cleanup_jobs):
     run_dir = tmp_path / "run"
-    cmd = [PY, "-m", "train.submit", "--nodes", "2", "--nproc-per-node", "1", "--time", "10", "--wait", "--",
-           *OVR, f"run.dir={run_dir}"]
+    cmd = [PY, "-m", "train.submit", "--nodes", "2", *CPU_NODES, "--nproc-per-node", "1", "--time", "10", "--wait",
+           "--", *OVR, f"run.dir={run_dir}"]
     env = slurm_cluster.env(clean_env(**crashing_rank(tmp_path)))
     proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     m = re.match(r"submitted job (\d+): 2 node\(s\)", proc.stdout)

@@ -194,24 +194,8 @@ def _stop_slowly(run_dir: Path, launcher: tuple, frozen_s: float, also_torchrun:
     return rc, out, err, time.time() - t
 
 
-# torchrun's own stop budget (--shutdown-timeout), used where the launcher would not pass its own: 30 s unless
-# PET_SHUTDOWN_TIMEOUT or TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise (torch/distributed/run.py, launcher/api.py).
-# Set low here, so that a stop slower than it need not take 30 s to prove that the launcher's budget is the one
-# torchrun applies.
-TORCHRUN_OWN_S = 3
-
-
-def test_a_stop_slower_than_torchrun_s_own_timeout_completes_inside_the_launcher_s_larger_budget(tmp_path):
-    own = str(TORCHRUN_OWN_S)
-    rc, out, err, took = _stop_slowly(tmp_path, ("--nproc-per-node=2", "--stop-timeout=60"), frozen_s=10,
-                                      env=clean_env(PET_SHUTDOWN_TIMEOUT=own, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=own))
-    signalled = time.time() - took  # when the SIGTERM was sent (at the latest)
-    assert rc == 75, err[-3000:]
-    stopped = json.loads((tmp_path / "STOPPED").read_text())  # written after the save completed
-    assert stopped["step"] == latest_state(tmp_path)["step"] >= 2
-    # The save finished long after torchrun's own timeout would have killed the workers: the larger budget
-    # (--stop-timeout over the environment's) was used.
-    assert stopped["time"] - signalled > 10 > TORCHRUN_OWN_S + 5, stopped["time"] - signalled
+# A stop slower than torchrun's own timeout, within the launcher's larger budget: tests/test_torch_range.py (on every
+# torch of the range, whether its torchrun takes --shutdown-timeout or not).
 
 
 def test_a_budget_too_short_is_exit_1_with_the_setting_to_raise(tmp_path):

@@ -19,6 +19,7 @@ from train.config import parse_args
 from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError, say
 from train.startup import frozen_imports
 from train.stops import markers, signals
+from train.supported import check_torch
 
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = denv = None
     try:
+        # A torch outside the supported range: refused, or one warning (the launcher's, else rank 0's)
+        if (warning := check_torch()) and not os.environ.get(LAUNCH_ID_VAR) and os.environ.get("RANK", "0") == "0":
+            say(warning)
         cfg = config.load(args.config, args.overrides)
         markers.forget_earlier_rounds(cfg.run_dir)
         with frozen_imports():  # torch: only once the config is known to be good

@@ -29,7 +29,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 @dataclass
 class RunConfig:
-    name: str = "default"
+    name: str = "default"  # the run's name: its folder is runs/<name>
     dir: str = ""  # empty: runs/<name>
 
 
@@ -37,10 +37,10 @@ class RunConfig:
 class DataConfig:
     """How the task's data sets are loaded (what they hold is the task's: task.*)."""
 
-    num_workers: int = 2
+    num_workers: int = 2  # loader worker processes per rank (0: load in the training process)
     pin_memory: bool = True  # only used with CUDA
-    persistent_workers: bool = True
-    prefetch_factor: int = 2
+    persistent_workers: bool = True  # keep the workers between epochs
+    prefetch_factor: int = 2  # micro-batches each worker loads ahead
 
 
 @dataclass
@@ -52,21 +52,21 @@ class OptimConfig:
     beta1: float = 0.9  # adamw
     beta2: float = 0.999  # adamw
     weight_decay: float = 5e-4  # not applied to biases and norm weights
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps, then cosine decay
     min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the whole run
     global_batch_size: int = 64  # samples a step over all ranks: the same run on any world size that divides it
     micro_batch_size: int = 32  # at most this many a forward pass: a rank's share runs in the fewest such micro-batches
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 0.0  # max global grad norm, 0 disables
-    log_every: int = 10
+    log_every: int = 10  # steps between log lines (loss, throughput)
     eval_every: int = 0  # 0: only at the end
-    channels_last: bool = False
-    compile: bool = False
+    channels_last: bool = False  # images in channels_last memory format (faster convolutions on GPUs)
+    compile: bool = False  # torch.compile the model
     tf32: bool = True  # TF32 matmuls and convolutions on GPUs that have them
     deterministic: bool = False  # deterministic kernels (slower on GPU; CPU is deterministic anyway)
     activation_checkpointing: bool = False  # recompute each of the task's blocks in the backward (less memory)
@@ -78,10 +78,10 @@ class DistConfig:
     strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 (fully_shard) per block of the task and at the root
     reshard_after_forward: bool = True  # fsdp: free the gathered parameters after each block's forward
     timeout_s: float = 600.0  # init and collectives; a hung rank fails the job after this
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25.0  # ddp: gradient all-reduce bucket size
+    gradient_as_bucket_view: bool = True  # ddp: gradients are views of the buckets (less memory)
+    static_graph: bool = False  # ddp: the same graph every step (lets DDP skip some work)
+    find_unused_parameters: bool = False  # ddp: allow parameters that get no gradient in a step (slower)
     sync_bn: bool = False  # BatchNorm statistics over all ranks (torch's SyncBatchNorm; CUDA only)
 
 
@@ -98,7 +98,7 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files in <run_dir>/wandb, `wandb sync` later
-    project: str = "ddp-template"
+    project: str = "ddp-template"  # the W&B project
     entity: str = ""  # empty: the default entity of the API key
     tags: str = ""  # comma-separated: "baseline,resnet18"
     group: str = ""  # groups runs in the UI (a sweep, an ablation)
@@ -123,7 +123,7 @@ class ProfileConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: int = 0  # data order, augmentation and initial weights
     resume: str = "auto"  # auto | never | PATH
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -290,10 +290,13 @@ def from_dict(data: dict) -> Config:
 
 # ---------------------------------------------------------------- loading and validation
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m train",
+               description: str = "Train: `python -m train --config configs/X.yaml key.sub=value ...`, the one way to "
+                                  "start training (under torchrun, any launcher).") -> argparse.Namespace:
     """The command line of `python -m train` (train/__main__.py), which the launcher and the doctor take too."""
-    p = argparse.ArgumentParser(prog="python -m train", description="`python -m train --config configs/X.yaml "
-                                "key.sub=value ...`: the one way to start training.")
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                epilog="Every key, its default and what a relaunch does with a changed value: "
+                                       "docs/reference.md.")
     p.add_argument("--config", help="YAML file (default: configs/default.yaml)", default="configs/default.yaml")
     p.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")

@@ -126,9 +126,13 @@ def _nccl_log_setup() -> str:
     return path
 
 
-def _transport(backend: str, nccl_log: str | None, where: str) -> Row:
-    """The network between nodes: NCCL's choice from its log ("Using network IB" / "NET/Socket"), and
-    said plainly when it is TCP sockets (slow across nodes; fine on one node, where NCCL uses NVLink/PCIe)."""
+UNREACHABLE = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel")  # interfaces other nodes cannot reach
+
+
+def _transport(backend: str, nccl_log: str | None, where: str, nodes: int = 1) -> Row:
+    """The network between nodes: NCCL's choice from its log ("Using network IB" / "NET/Socket"), said plainly
+    when it is TCP sockets (slow across nodes; fine on one node, where NCCL uses NVLink/PCIe), and a FAIL with
+    the fix when the sockets are on an interface the other nodes cannot reach (loopback, a container bridge)."""
     rdma = _rdma()
     if backend != "nccl":
         return Row("transport", True, f"{backend}: TCP sockets (CPU backend; NCCL's InfiniBand/RoCE is for GPUs); "
@@ -140,13 +144,21 @@ def _transport(backend: str, nccl_log: str | None, where: str) -> Row:
         os.unlink(nccl_log)
     found = re.findall(r"Using network (\w+)", text) or re.findall(r"NET/(IB|Socket)\b", text)
     net = found[-1] if found else "unknown"
+    # "NET/Socket : Using [0]eth0:10.1.2.3<0> [1]docker0:172.17.0.1<0>" (also "Bootstrap : Using eth0:...")
+    ifaces = re.findall(r"\[\d+\](\w[\w.-]*):([\w.:]+)<", " ".join(re.findall(r"NET/Socket : Using (.*)", text)))
+    bad = [f"{name} ({addr})" for name, addr in ifaces if name.startswith(UNREACHABLE)]
+    if nodes > 1 and bad:
+        return Row("transport", False, f"NCCL picked {', '.join(bad)}, which the other nodes cannot reach: set "
+                   "NCCL_SOCKET_IFNAME to the interface the nodes share (the one `ip route get <rendezvous host>` "
+                   "names, e.g. NCCL_SOCKET_IFNAME=eth0)", where)
     if net == "IB":
         return Row("transport", True, f"NCCL network IB (InfiniBand/RoCE verbs); {rdma}", where)
     if net == "Socket":
         has_devices = not rdma.endswith("none")
         return Row("transport", not has_devices, "NCCL network Socket: TCP sockets, not InfiniBand/RoCE; " + rdma + (
-            ": RDMA devices exist but NCCL does not use them: check NCCL_IB_DISABLE/NCCL_IB_HCA and the "
-            "device mounts" if has_devices else " (slow between nodes)"), where)
+            ": RDMA devices exist but NCCL does not use them: unset NCCL_IB_DISABLE, set NCCL_IB_HCA to them "
+            "(e.g. NCCL_IB_HCA=mlx5) and mount /dev/infiniband into the container" if has_devices else
+            " (slow between nodes: for InfiniBand/RoCE install rdma-core and mount /dev/infiniband)"), where)
     return Row("transport", True, f"NCCL network {net} (a plugin, or not reported); {rdma}", where)
 
 
@@ -191,7 +203,7 @@ def run(cfg, denv) -> int:
             rows.append(rdzv)
         correct, busbw, nbytes = _all_reduce(device, denv.world_size, denv.rank)
         if denv.local_rank == 0:
-            rows.append(_transport(dist.get_backend(), nccl_log, f"rank {denv.rank} on {host}"))
+            rows.append(_transport(dist.get_backend(), nccl_log, f"rank {denv.rank} on {host}", denv.nodes))
         elif nccl_log and os.path.exists(nccl_log):
             os.unlink(nccl_log)
         if not correct:
@@ -235,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     from train import config
     from train.config import ConfigError
 
-    args = config.parse_args(argv)
+    args = config.parse_args(argv, prog="python -m train.doctor", description=(
+        "Preflight doctor: is this world fit to train? Alone or under the launcher (python -m train.launch --doctor), "
+        "with the training config: every rank checks what it sees, rank 0 prints one table, exit 1 on a FAIL row."))
     try:
         cfg = config.load(args.config, args.overrides)
         from train.parallel import distributed

@@ -1,4 +1,4 @@
-"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--dtype D] [--out PATH]: a checkpoint's model.
+"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--dtype D] [--out PATH] [--force]: a checkpoint's model.
 
 --format pt (the default): one plain file, the model's state dict (parameter and buffer names -> tensors)
 written by torch.save, that any process loads with torch.load(FILE, weights_only=True), without this
@@ -12,34 +12,57 @@ Hugging Face task as its own architecture). Default: RUN_DIR/export/step_XXXXXXX
 The checkpoint (the latest, or that of step N) is checked (its files' CRC-32s) and read by DCP in this one
 process, whatever the number of ranks that saved it: it needs the model's size in host memory. A bad
 RUN_DIR, no checkpoint or no checkpoint of step N, a task without a Hugging Face form: one line, exit 2.
+
+Nothing this command did not write is deleted or overwritten. An export leaves a marker (MARKER inside the
+folder; .NAME.train-export.json beside a pt file) listing its files, so the same export is replaced again
+later; an --out that exists otherwise (a file, a folder that is not empty, an export changed since) is
+refused in one line, exit 2, unless --force. The run directory, a folder holding it, anything in its
+checkpoints or existing in the run beside the exports, and the paths its task started from (task.path,
+task.init_from, its data: any path in the run's task config, and resume=PATH) are refused even with --force
+(compared as real paths: through symlinks). The export is written beside --out first and renamed into
+place: a failure leaves --out as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from train import config
-from train.checkpoint.dcp_io import read_state
-from train.checkpoint.storage import complete_checkpoints, convert_hint, old_checkpoints, write_atomic
+from train.checkpoint.dcp_io import error_text, read_state
+from train.checkpoint.storage import TRAINER, complete_checkpoints, convert_hint, old_checkpoints
 from train.config import OneLineParser, UsageError
 from train.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MARKER = ".train-export.json"  # in an hf export's folder; beside a pt file: .NAME.train-export.json
+WRITER = "python -m train.export"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = OneLineParser(prog="python -m train.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p = OneLineParser(prog="python -m train.export", description=(
+        "Write a checkpoint's model (the latest, or --step N) as one plain torch.save file (--format pt) or a Hugging "
+        "Face model folder that transformers' from_pretrained loads (--format hf), read on this one process "
+        "whatever the number of ranks that saved it. It never deletes or overwrites what it did not write."))
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoints/ folder)")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--format", choices=("pt", "hf"), default="pt",
                    help="pt: one torch.save file; hf: a Hugging Face model folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="the tensors' type (default: as trained)")
-    p.add_argument("--out", metavar="PATH", help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt, or "
-                                                 "step_XXXXXXXX-hf/ for --format hf)")
+    p.add_argument("--out", metavar="PATH",
+                   help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt, or step_XXXXXXXX-hf/ for --format "
+                        "hf); an existing PATH is replaced only if it is an export this command wrote (unchanged), "
+                        "an empty folder, or with --force; a failed export leaves it as it was")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out that is not an export of this command (your file or folder, "
+                        "deleted once the export is written); never the run directory, its checkpoints or "
+                        "other files, a folder holding them, or the folders the run started from")
     return p.parse_args(argv)
 
 
@@ -62,11 +85,11 @@ def find(run_dir: Path, step: int | None) -> Path:
     raise UsageError(f"{run_dir} holds no complete checkpoint of step {step} (it has steps {steps})")
 
 
-def hf_form(state: dict, path: Path):
+def hf_form(run_config: dict, path: Path):
     """The task's Hugging Face form of its model (Task.hf_model), from the config the checkpoint was trained
     with; UsageError where the task has none."""
     try:
-        cfg = config.from_dict(state["config"])
+        cfg = config.from_dict(run_config)
         task = cfg.task_class(cfg.task, cfg.seed)
         model = task.model()
         hf = task.hf_model(model)
@@ -78,37 +101,219 @@ def hf_form(state: dict, path: Path):
     return hf
 
 
+# ---------------------------------------------------------------- what --out may replace
+
+def run_config(path: Path) -> dict:
+    """The config the checkpoint was trained with (its trainer.pt alone: small), read before its tensors so
+    that a refused --out costs no read of the model."""
+    try:
+        return torch.load(path / TRAINER, map_location="cpu", weights_only=True)["config"]
+    except Exception as e:
+        raise UsageError(f"checkpoint {path} does not load ({error_text(e)})") from None
+
+
+def sources(cfg: dict) -> list[tuple[str, Path]]:
+    """The paths the run started from or read (key, real path): every string of its task config that names an
+    existing file or folder (task.path, task.init_from, task.data, a glob's folder), and resume=PATH."""
+    found = []
+
+    def visit(key: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{key}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(key, v)
+        elif isinstance(value, str) and value.strip():
+            parts = Path(value).parts
+            glob = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+            path = Path(*parts[:glob]) if glob else None
+            if path is not None and os.path.lexists(path):
+                found.append((key, path.resolve()))
+
+    visit("task", {k: v for k, v in (cfg.get("task") or {}).items() if k != "name"})
+    if cfg.get("resume") not in (None, "auto", "never"):
+        visit("resume", cfg["resume"])
+    return found
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path != folder and path.is_relative_to(folder)
+
+
+def _listing(folder: Path) -> dict[str, list]:
+    """Each entry under `folder` but the marker: [kind, size, mtime_ns] (what an export's marker records)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if rel != MARKER:
+            st = p.lstat()
+            kind = "dir" if p.is_dir() and not p.is_symlink() else "link" if p.is_symlink() else "file"
+            out[rel] = [kind, st.st_size if kind == "file" else 0, st.st_mtime_ns if kind == "file" else 0]
+    return out
+
+
+def _marker_of(out: Path, fmt: str) -> Path:
+    return out / MARKER if fmt == "hf" else out.with_name(f".{out.name}.train-export.json")
+
+
+def _read_marker(marker: Path) -> dict | None:
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("written_by") == WRITER else None
+
+
+def is_own_export(out: Path, fmt: str) -> bool:
+    """`out` is an export that this command wrote, as it wrote it: its marker lists exactly what is there."""
+    marker = _read_marker(_marker_of(out, fmt))
+    if marker is None or marker.get("format") != fmt:
+        return False
+    if fmt == "hf":
+        return out.is_dir() and not out.is_symlink() and marker.get("files") == _listing(out)
+    st = out.lstat()
+    return out.is_file() and not out.is_symlink() and marker.get("files") == {out.name: ["file", st.st_size,
+                                                                                          st.st_mtime_ns]}
+
+
+def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, cfg: dict, default: Path) -> Path:
+    """The real path to write the export at, or UsageError (one line) where that would delete or overwrite what
+    this command did not write: the run's own files and the paths it started from never, a path of the user's
+    only with --force."""
+    out = given.resolve()
+    never = f"export never writes there, even with --force; give another --out (default: {default})"
+    protected = [(run, "the run directory"), (checkpoints, "the run's checkpoints"),
+                 *((path, f"{key} of the run, a path it started from") for key, path in sources(cfg))]
+    for path, what in protected:
+        if out == path or _inside(path, out):
+            relation = "is" if out == path else "holds"
+            raise UsageError(f"--out {given} {relation} {what} ({path}): {never}")
+    for path, what in protected[1:]:
+        if _inside(out, path):
+            raise UsageError(f"--out {given} is inside {what} ({path}): {never}")
+    if not os.path.lexists(out):
+        if fmt == "pt" and os.path.lexists(marker := _marker_of(out, fmt)) and _read_marker(marker) is None \
+                and not force:
+            raise UsageError(f"{marker} exists and is not this command's: give another --out, or --force to "
+                             f"replace it")
+        return out
+    if fmt == "pt" and out.is_dir():
+        raise UsageError(f"--out {given} is a folder, and --format pt writes one file: give a file's path, e.g. "
+                         f"{given / default.name}")
+    if fmt == "hf" and not out.is_dir():
+        raise UsageError(f"--out {given} is a file, and --format hf writes a folder: give another --out (default: "
+                         f"{default})")
+    if is_own_export(out, fmt) or (fmt == "hf" and not any(out.iterdir())):
+        return out  # this command's export as it wrote it, or an empty folder: nothing of anyone else's is lost
+    what = "is a file" if fmt == "pt" else f"is a folder of {sum(1 for _ in out.rglob('*'))} entries"
+    if _inside(out, run):
+        raise UsageError(f"--out {given} {what} in the run directory {run} that is no export of this command as it "
+                         f"wrote it: {never}")
+    if not force:
+        raise UsageError(f"--out {given} {what} that is no export of this command as it wrote it (none, or changed "
+                         f"since): give another --out, or --force to replace it")
+    return out
+
+
+# ---------------------------------------------------------------- writing it
+
+class ExportFailed(Exception):
+    """Writing the export failed (a full disk, a file of the source that does not read): --out is as it was."""
+
+
+def publish(out: Path, fmt: str, write, about: dict) -> None:
+    """write(tmp) writes the export at `tmp`, beside `out` (the same file system); with its marker it is then
+    renamed into place, what was at `out` moved aside and removed only after. Any failure removes what it wrote
+    (and the folders it made) and leaves `out` as it was."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    tmp = out.with_name(f".{out.name}.export-tmp{os.getpid()}")
+    marker = _marker_of(tmp, fmt)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        if fmt == "hf":
+            marker.write_text(json.dumps(about | {"files": _listing(tmp)}, indent=2) + "\n")
+            if os.path.lexists(out):
+                old = out.with_name(f".{out.name}.export-old{os.getpid()}")
+                os.rename(out, old)
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(old, out)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        else:
+            st = tmp.stat()
+            marker.write_text(json.dumps(about | {"files": {out.name: ["file", st.st_size, st.st_mtime_ns]}},
+                                         indent=2) + "\n")
+            os.replace(tmp, out)  # a crash between the two: the old marker does not fit the file, which is refused
+            os.replace(marker, _marker_of(out, fmt))
+    except BaseException as e:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        if isinstance(e, Exception):
+            raise ExportFailed(error_text(e)) from e
+        raise
+
+
+def save_pt(weights: dict, tmp: Path) -> None:
+    with open(tmp, "wb") as f:
+        torch.save(weights, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
-        run_dir = Path(args.run_dir)
-        path = find(run_dir, args.step)
+        path = find(Path(args.run_dir), args.step)
+        checkpoints = path.parent
+        run = checkpoints.parent if checkpoints.name == "checkpoints" else checkpoints
+        default = run / "export" / (f"{path.name}-hf" if args.format == "hf" else f"{path.name}.pt")
+        given = Path(args.out) if args.out else default
+        cfg = run_config(path)
+        out = check_out(given, args.format, args.force, run.resolve(), checkpoints.resolve(), cfg, default)
+        hf = hf_form(cfg, path) if args.format == "hf" else None
         try:
             state = read_state(path, keys=("model",))
         except ValueError as e:
             raise UsageError(f"checkpoint {path} {e}") from None
-        hf = hf_form(state, path) if args.format == "hf" else None
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     weights, dtype = state["model"], DTYPES.get(args.dtype)
-    if hf is not None:
-        from train.checkpoint.pretrained import save_hf
+    about = {"written_by": WRITER, "format": args.format, "run": str(run.resolve()), "checkpoint": str(path.resolve()),
+             "step": state["step"], "dtype": args.dtype or "as trained"}
+    try:
+        if hf is not None:
+            from train.checkpoint.pretrained import save_hf
 
-        out = Path(args.out) if args.out else run_dir / "export" / f"{path.name}-hf"
-        size = save_hf(weights, hf, out, dtype)
-        print(f"wrote {out}: a Hugging Face {hf.config.get('architectures', ['model'])[0]}, {size / 2**20:.1f} MiB, "
-              f"the model of {path} (step {state['step']}); load it with "
-              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
-        return 0
-    out = Path(args.out) if args.out else run_dir / "export" / f"{path.name}.pt"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if dtype is not None:
-        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
-    write_atomic(out, lambda f: torch.save(weights, f))
+            sizes = []
+            publish(out, "hf", lambda tmp: sizes.append(save_hf(weights, hf, tmp, dtype)), about)
+            print(f"wrote {given}: a Hugging Face {hf.config.get('architectures', ['model'])[0]}, "
+                  f"{sizes[0] / 2**20:.1f} MiB, the model of {path} (step {state['step']}); load it with "
+                  f"transformers.AutoModelForCausalLM.from_pretrained({str(given)!r})")
+            return 0
+        if dtype is not None:
+            weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        publish(out, "pt", lambda tmp: save_pt(weights, tmp), about)
+    except ExportFailed as e:
+        print(f"error: the export to {given} failed ({e}); {given} is as it was", file=sys.stderr)
+        return 1
     size = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB, the model of {path} (step {state['step']}); "
-          f"load it with torch.load({out.name!r}, weights_only=True)")
+    print(f"wrote {given}: {len(weights)} tensors, {size / 2**20:.1f} MiB, the model of {path} (step {state['step']}); "
+          f"load it with torch.load({given.name!r}, weights_only=True)")
     return 0
 
 

@@ -1,7 +1,11 @@
 """Submit training to SLURM from Python with submitit: the same job as slurm/train.sbatch.
 
-    python -m train.submit --nodes 2 --gpus-per-node 8 --time 04:00:00 --partition gpu \\
-        -- --config configs/default.yaml train.steps=20000
+    python -m train.submit --nodes 2 --partition gpu -- --config configs/default.yaml train.steps=20000
+    python -m train.submit --nodes 1 --gpus-per-node 2 --cpus-per-task 16 -- --config configs/default.yaml
+    python -m train.submit --nodes 2 --gpus-per-node 0 --cpus-per-task 16 -- ...    # CPU nodes
+
+The same defaults as slurm/train.sbatch's #SBATCH lines (tests/test_slurm.py holds them equal): 8 GPUs and
+64 CPUs per node, 4 hours, the stop signal 180 s before the time limit, the job name, 10 requeues.
 
 One task per node; each runs the shared launcher (python -m train.launch -> torchrun) with a c10d
 rendezvous on the first node of the allocation and the job id as rendezvous id. Before the time limit
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
 import shutil
@@ -32,6 +37,9 @@ from train.errors import EXIT_REQUEUE, EXIT_USAGE
 # launcher, torchrun and the workers all handle (as a stop); torchrun would die on SIGUSR2.
 PREEMPT_SIGNAL = "TERM"
 ROOT = Path(__file__).resolve().parents[1]
+# slurm/train.sbatch's defaults: --gpus-per-node, --cpus-per-task, --time (minutes), the --signal lead
+# (seconds), MAX_REQUEUES and the job name; STOP_TIMEOUT is stop_budget(SIGNAL_DELAY_S), 150 as there.
+GPUS_PER_NODE, CPUS_PER_TASK, TIME_MIN, SIGNAL_DELAY_S, MAX_REQUEUES, JOB_NAME = 8, 64, 240, 180, 10, "ddp-template"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -140,6 +148,11 @@ class TrainJob:
         return DelayedSubmission(TrainJob(self.train_args, self.nproc_per_node, self.project_dir, self.python))
 
 
+def stop_budget(signal_delay: int) -> int:
+    """STOP_TIMEOUT: seconds the workers get to save after the stop, inside the warning's lead (docs/stops.md)."""
+    return max(10, signal_delay - 30)
+
+
 def parse_time(value: str) -> int:
     """Minutes from MINUTES, HH:MM:SS, MM:SS or D-HH[:MM[:SS]]."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
@@ -162,18 +175,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                                 usage="%(prog)s --nodes N [options] [--] [--config FILE] [key=value ...]",
                                 allow_abbrev=False)
     p.add_argument("--nodes", type=int, required=True, help="nodes (one task per node)")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
+    p.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                   help=f"GPUs per node (default {GPUS_PER_NODE}; 0: CPU nodes, with a --cpus-per-task they have)")
     p.add_argument("--nproc-per-node", default=None,
                    help="processes per node (default: --gpus-per-node, else auto: one per GPU, else 2)")
-    p.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node's task")
-    p.add_argument("--time", type=parse_time, default=60, help="time limit: MINUTES or HH:MM:SS (default 60)")
+    p.add_argument("--cpus-per-task", type=int, default=CPUS_PER_TASK,
+                   help=f"CPUs per node's task (default {CPUS_PER_TASK}: 8 per GPU; scale it with --gpus-per-node)")
+    p.add_argument("--time", type=parse_time, default=TIME_MIN,
+                   help=f"time limit: MINUTES or HH:MM:SS (default {TIME_MIN // 60:02d}:00:00)")
     p.add_argument("--partition", default=None, help="SLURM partition")
-    p.add_argument("--name", default="ddp-template", help="job name")
+    p.add_argument("--name", default=JOB_NAME, help="job name")
     p.add_argument("--folder", default=None, help="submitit's folder for logs and pickles "
                    "(default: <run dir>/submitit; on a file system every node sees)")
-    p.add_argument("--signal-delay", type=int, default=120,
-                   help="seconds before the time limit at which the job checkpoints and requeues (default 120)")
-    p.add_argument("--max-timeouts", type=int, default=20, help="requeues after reaching the time limit (default 20)")
+    p.add_argument("--signal-delay", type=int, default=SIGNAL_DELAY_S,
+                   help=f"seconds before the time limit at which the job checkpoints and requeues "
+                        f"(default {SIGNAL_DELAY_S})")
+    p.add_argument("--max-timeouts", type=int, default=MAX_REQUEUES,
+                   help=f"requeues after reaching the time limit (default {MAX_REQUEUES})")
     p.add_argument("--python", default=sys.executable, help="interpreter in the job (default: this one)")
     p.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 if it completed")
     args, rest = p.parse_known_args(argv)
@@ -181,7 +199,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         rest = rest[1:]
     if args.nodes < 1:
         p.error(f"--nodes must be at least 1, got {args.nodes}")
+    if args.gpus_per_node < 0 or args.cpus_per_task < 1:
+        p.error("--gpus-per-node must be 0 or more and --cpus-per-task 1 or more, got "
+                f"{args.gpus_per_node} and {args.cpus_per_task}")
+    if args.nproc_per_node not in (None, "auto") and not (args.nproc_per_node.isdigit() and int(args.nproc_per_node)):
+        p.error(f"--nproc-per-node must be a positive number or auto, got {args.nproc_per_node!r}")
     return args, rest
+
+
+def processes_per_node(args: argparse.Namespace) -> tuple[str, int, str]:
+    """NPROC_PER_NODE for the job, the number it comes to, and which option says so: --nproc-per-node, else one
+    per GPU asked for, else auto, which is 2 on CPU nodes (train/launch/command.py)."""
+    if args.nproc_per_node not in (None, "auto"):
+        return args.nproc_per_node, int(args.nproc_per_node), "--nproc-per-node"
+    if args.gpus_per_node > 0:
+        return args.nproc_per_node or str(args.gpus_per_node), args.gpus_per_node, "one per GPU of --gpus-per-node"
+    return "auto", 2, "auto on CPU nodes"
 
 
 def job_state(job_id: str) -> str:
@@ -193,6 +226,7 @@ def job_state(job_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
+    from train import config
     from train.config import ConfigError
     from train.launch.command import check_training_args
 
@@ -208,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    nproc, per_node, source = processes_per_node(args)
+    world = args.nodes * per_node
+    try:  # and so does the batch arithmetic of the world the job will start
+        config.validate(cfg, world)
+    except ConfigError as e:
+        print(f"error: {e}; the job's world size is --nodes {args.nodes} x {per_node} processes per node ({source}): "
+              "change them or the batch size", file=sys.stderr)
+        return EXIT_USAGE
     if shutil.which("sbatch") is None:
         print("error: sbatch not found: train.submit submits to a SLURM cluster (see docs/slurm.md)",
               file=sys.stderr)
@@ -221,28 +263,31 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = cfg.run_dir.resolve()
     folder = Path(args.folder) if args.folder else run_dir / "submitit"
-    nproc = args.nproc_per_node or (str(args.gpus_per_node) if args.gpus_per_node > 0 else "auto")
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=args.max_timeouts, python=args.python)
     params = dict(job_name=args.name, nodes=args.nodes, ntasks_per_node=1, time=args.time,
                   signal_delay_s=args.signal_delay, stderr_to_stdout=False,
-                  srun_args=["--kill-on-bad-exit=1"],
+                  # the CPUs asked again for the step (srun 22.05+ does not inherit them; it does read the GPUs
+                  # from SLURM_GPUS_PER_NODE), as slurm/train.sbatch does
+                  srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
                   setup=[f"cd {ROOT}", f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}",
                          f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
                          # the stop budget, inside the warning's lead time (see "The stop budget" in docs/stops.md)
-                         f"export STOP_TIMEOUT=${{STOP_TIMEOUT:-{max(10, args.signal_delay - 30)}}}"],
+                         f"export STOP_TIMEOUT=${{STOP_TIMEOUT:-{stop_budget(args.signal_delay)}}}"],
                   additional_parameters={"requeue": True})
-    if args.gpus_per_node > 0:
+    if args.gpus_per_node > 0:  # 0: CPU nodes, no GPU request at all (as sbatch --gpus-per-node=0)
         params["gpus_per_node"] = args.gpus_per_node
-    if args.cpus_per_task:
-        params["cpus_per_task"] = args.cpus_per_task
+    params["cpus_per_task"] = args.cpus_per_task
     if args.partition:
         params["partition"] = args.partition
     executor.update_parameters(**params)
-    try:
-        job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
+    try:  # submitit prints sbatch's refusal too: it is in the one line below
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
     except Exception as e:  # sbatch refused it: its message says why
-        print(f"error: submission failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
-              file=sys.stderr)
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else str(e)
+        if "generic resource" in why and args.gpus_per_node:
+            why += " (a cluster or partition without GPUs: --gpus-per-node 0 --cpus-per-task N for CPU nodes)"
+        print(f"error: submission failed: {why}", file=sys.stderr)
         return 1
     print(f"submitted job {job.job_id}: {args.nodes} node(s), run dir {run_dir}")
     print(f"logs: {job.paths.stdout} and {job.paths.stderr} (rank 0's node; _1_, _2_... for the others)")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -17,6 +17,7 @@ import torch.nn as nn
 from train import optim
 from train.checkpoint import pretrained
 from train.checkpoint.checkpointer import Checkpointer
+from train.checkpoint.dcp_io import error_text, error_traceback, first_error
 from train.checkpoint.resume import check_fresh_start, decide
 from train.checkpoint.storage import SaveError
 from train.config import Config, ConfigError
@@ -25,6 +26,7 @@ from train.observe.log import RunLog, check_tracker
 from train.observe.metrics import StepMeter
 from train.parallel import data, distributed, hang, wrapping
 from train.parallel.data import to_device
+from train.stops import markers
 from train.stops.markers import Markers
 from train.stops.signals import StopRequest
 from train.task import Task, collate_fn
@@ -299,8 +301,31 @@ def _loaded_whole(cfg: Config, task: Task, model: nn.Module, denv: distributed.D
     return pretrained.covers(model, task, source) if source else set()
 
 
-SAVE_FAILED = ("a checkpoint could not be written; the ones before it are intact: make room (or fix the folder), "
-               "then relaunch the same command, which resumes from the latest")
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no room: a full disk, a quota, a file size limit
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:
+    """A failed save's line: what failed, and what to do about that. Only a full disk is told to make room and
+    only an unwritable folder to fix it; any other error (a bug of the save itself, say) names itself, and its
+    traceback goes to the rank's log file."""
+    cause = first_error(e.__cause__ or e)
+    again = "then relaunch the same command, which resumes from the latest"
+    if isinstance(cause, OSError) and cause.errno in FULL:
+        advice = f"make room (the disk or a quota of {cfg.run_dir} is full), {again}"
+    elif isinstance(cause, OSError) and cause.errno in UNWRITABLE:
+        advice = f"make {cfg.run_dir / 'checkpoints'} writable by this user, {again}"
+    elif isinstance(cause, OSError):
+        advice = f"check the file system of {cfg.run_dir} (a disk, a network mount), {again}"
+    else:
+        where = ""
+        if log is not None:
+            log.to_file(error_traceback(e.__cause__ or e).rstrip())
+            where = f" (its traceback: {cfg.run_dir / 'logs' / f'rank{log.rank}.log'})"
+        fallback = "; if it fails again, set checkpoint.async=false (blocking saves)" if cfg.checkpoint.async_ else ""
+        advice = (f"not for want of room or permissions but an error of the save itself{where}: relaunch the same "
+                  f"command, which resumes from the latest{fallback}, and report it")
+    return f"a checkpoint could not be written; the ones before it are intact: {advice} ({error_text(cause)})"
 
 
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
@@ -357,8 +382,11 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
     except Exception as e:  # a usage error (ConfigError) goes on to the entry point
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None and isinstance(e, SaveError):
-            reason = SAVE_FAILED
+            say(f"[rank {denv.rank}] error: {save_failed(e, cfg, parts.log if parts else None)}")
+            return 1
         if reason is None:
+            if not isinstance(e, ConfigError):
+                markers.write_failure(cfg.run_dir, denv.rank, e)  # this rank's own error: the launcher names it
             raise
         say(f"[rank {denv.rank}] error: {reason} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         if reason.startswith("collective timed out") and (who := hang.report(cfg.run_dir, denv, cfg.dist.timeout_s)):
@@ -369,8 +397,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             try:
                 ckpt.wait()  # an asynchronous save in flight is finished, never abandoned
             except SaveError as e:  # the run is already ending on an error of its own: both are told, and the
-                print(f"[rank {denv.rank}] error: {SAVE_FAILED} ({type(e).__name__}: "  # teardown goes on
-                      f"{str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+                # teardown goes on
+                say(f"[rank {denv.rank}] error: {save_failed(e, cfg, parts.log if parts else None)}")
         if meter is not None and (trace := meter.close()) is not None:
             parts.log.info(trace)
         if parts is not None:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
+from train import optim
 from train.checkpoint.dcp_io import (
     ASYNC_TYPE,
     BackgroundWriter,
@@ -51,6 +52,7 @@ from train.checkpoint.dcp_io import (
     planner,
     rng_state,
     set_rng_state,
+    stager_reusable,
     tensor_state,
     write_threads,
 )
@@ -69,7 +71,7 @@ from train.checkpoint.storage import (
     verify,
     write_atomic,
 )
-from train.config import Config, to_dict
+from train.config import Config, OptimConfig, to_dict
 from train.errors import ConfigError
 from train.parallel.distributed import sync_buffers
 
@@ -178,8 +180,9 @@ class Checkpointer:
         reused by every later one (pinned on a GPU; shared with DCP's process when it writes from one), at
         the cost of one more copy of this rank's state in host memory. A fresh allocation each save cost more
         than the copy itself (bench/checkpoint.py). The copy runs in the writer thread while the next step's
-        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step."""
-        if self._stager is None:
+        forward and backward run (_gate); on a GPU it is queued on the default stream, after the step.
+        Where torch's stager cannot be reused (stager_reusable: torch 2.11's), a fresh one each save."""
+        if self._stager is None or not stager_reusable():
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=device.type == "cuda",
                 use_shared_memory=ASYNC_TYPE == dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
@@ -342,11 +345,16 @@ class Checkpointer:
         """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
         size or the sharding changed); what went wrong, or None."""
         tensors, _ = tensor_state(parts)  # the shapes to read into
+        # The hyper-parameters of this launch's config (optim.*: weight decay, betas, momentum) apply, not the
+        # checkpoint's, which set_state_dict would restore: a relaunch that changes one changes it (said in _load).
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in parts.optimizer.param_groups]
         try:
             dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
             state = merge(tensors, trainer["rest"])
             set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
+            for group, mine in zip(parts.optimizer.param_groups, hyper, strict=True):
+                group.update(mine)
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
@@ -442,3 +450,31 @@ class Checkpointer:
                              f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
         self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
                       f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")
+        if line := schedule_change(self.cfg, state.get("config") or {}, parts.step):
+            self.log.info(line)
+
+
+def schedule_change(cfg: Config, theirs: dict, step: int) -> str | None:
+    """The one line a relaunch with a changed train.steps or optim.* value logs: what changed, and the
+    learning rate from here on (the schedule is a function of the step and these keys: optim.lr_at)."""
+    ours = to_dict(cfg)
+    changed = [(f"optim.{k}", v, ours["optim"].get(k)) for k, v in (theirs.get("optim") or {}).items()
+               if k in ours["optim"] and ours["optim"][k] != v]
+    if (theirs.get("train") or {}).get("steps", cfg.train.steps) != cfg.train.steps:
+        changed.insert(0, ("train.steps", theirs["train"]["steps"], cfg.train.steps))
+    if not changed:
+        return None
+    what = ", ".join(f"{key} {old} -> {new}" for key, old, new in changed)
+    if step >= cfg.train.steps:
+        return f"relaunch with {what}: the run already has {step} of train.steps={cfg.train.steps}; nothing to train"
+    try:
+        before = optim.lr_at(step, theirs["train"]["steps"], OptimConfig(**theirs["optim"]))
+        was = f" (the checkpoint's schedule: {before:.4g})"
+    except (KeyError, TypeError):  # a checkpoint of keys this version no longer has
+        was = ""
+    now = optim.lr_at(step, cfg.train.steps, cfg.optim)
+    end = cfg.optim.lr * cfg.optim.min_lr_ratio
+    warm = (f"warming up to {cfg.optim.lr:.4g} at step {cfg.optim.warmup_steps}, then "
+            if step < cfg.optim.warmup_steps else "")
+    return (f"relaunch with {what}: applied from step {step}; the learning rate is {now:.4g} there{was}, "
+            f"{warm}decaying (cosine) to {end:.4g} at step {cfg.train.steps}")

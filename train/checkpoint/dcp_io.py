@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
 import os
 import pickle
 import random
 import sys
 import threading
+import traceback
 import warnings
 import zlib
 from pathlib import Path
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -157,11 +160,29 @@ def read_state(path: Path, keys: tuple[str, ...] = ("model", "optimizer")) -> di
     return merge(unflatten(tensors, metadata), state.pop("rest", {})) | state
 
 
-def error_text(e: BaseException) -> str:
-    """One line for what went wrong (of DCP's CheckpointException, the first failing rank's error)."""
+def first_error(e: BaseException) -> BaseException:
+    """The error itself: of DCP's CheckpointException, the first failing rank's."""
     if isinstance(e, CheckpointException) and e.failures:
         e = min(e.failures.items())[1]
         e = e[0] if isinstance(e, tuple) else e
+    return e
+
+
+def error_traceback(e: BaseException) -> str:
+    """Its traceback (of DCP's CheckpointException, the first failing rank's, as DCP kept it)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        failure = min(e.failures.items())[1]
+        if isinstance(failure, tuple):  # (the error, its stack): what DCP gathers from the ranks
+            error, stack = failure
+            return ("Traceback (most recent call last):\n" + "".join(stack.format())
+                    + "".join(traceback.format_exception_only(error)))
+        e = failure
+    return "".join(traceback.format_exception(e))
+
+
+def error_text(e: BaseException) -> str:
+    """One line for what went wrong (of DCP's CheckpointException, the first failing rank's error)."""
+    e = first_error(e)
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
@@ -276,3 +297,20 @@ class BackgroundWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         background()
         return super().write_data(plan, planner)
+
+
+@functools.cache
+def stager_reusable() -> bool:
+    """Whether DCP's DefaultStager stages more than once. torch 2.11's closes itself at the end of each stage
+    (pytorch/pytorch#183413, fixed in 2.13): the next save's copy fails with `KeyError: <class 'type'>`. Found by
+    trying (a tensor of one element staged twice), once per process, not by the version."""
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except Exception:  # whatever a second stage raises: a fresh stager each save is always safe
+        return False
+    finally:
+        stager.close()
+    return True

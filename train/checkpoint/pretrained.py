@@ -191,9 +191,9 @@ def _load_checkpoint(model: nn.Module, path: Path, option: str = KEY) -> None:
 
 
 def save_hf(weights: dict[str, torch.Tensor], hf: HFModel, out: Path, dtype: torch.dtype | None) -> int:
-    """A Hugging Face folder at `out` from a model's whole weights (one process): safetensors written by DCP's
-    Hugging Face writer, config.json, and the files the model's folder had beside (its tokenizer). Returns
-    the bytes of tensors written."""
+    """A Hugging Face folder at `out`, a new one (train.export writes it beside its --out, then renames it), from
+    a model's whole weights (one process): safetensors written by DCP's Hugging Face writer, config.json, and
+    the files the model's folder had beside (its tokenizer). Returns the bytes of tensors written."""
     tensors = {}
     for name, spec in hf.tensors.items():
         t = weights[name]
@@ -202,9 +202,7 @@ def save_hf(weights: dict[str, torch.Tensor], hf: HFModel, out: Path, dtype: tor
         if spec.transposed:
             t = t.t()
         tensors[spec.name] = (t if dtype is None else t.to(dtype)).contiguous()  # safetensors takes no views
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(out)), no_dist=True)

@@ -38,7 +38,10 @@ OPTIONS = {
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m train.launch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m train.launch", description=(
+        "Start training on this node through torchrun: the one place its command line is built. Each option falls "
+        "back to its environment variable (NNODES, NPROC_PER_NODE, RDZV_ENDPOINT, ...: docs/launcher.md). "
+        "Usage: python -m train.launch [OPTIONS] -- --config configs/X.yaml key.sub=value ..."))
     p.add_argument("--nnodes", help="N or MIN:MAX (elastic)")
     p.add_argument("--nproc-per-node", help="processes per node: a number, or auto (one per GPU, else 2)")
     p.add_argument("--node-rank", help="this node's rank (ignored by c10d, which assigns ranks)")

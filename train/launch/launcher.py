@@ -58,6 +58,7 @@ from train.launch.rendezvous import NotUp, wait_for_rendezvous
 from train.launch.signals import Signals, Stopped, alive, children, say
 from train.launch.verdict import History, verdict
 from train.stops import markers
+from train.supported import check_torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +75,8 @@ def _main(argv: list[str] | None) -> int:
     signals.install()  # first: a stop during the launcher's own work is never lost, nor kills it half-way
     args, train_args = parse_args(argv)
     try:
+        if warning := check_torch():  # a torch below the supported range is refused (ConfigError), above it told
+            print(warning, file=sys.stderr, flush=True)
         requeue_exit_code(os.environ)  # a bad value is a usage error now, not at the end of a run
         opts = resolve(args, os.environ)
         # torchrun's process checks every key before it starts a worker (torchrun.py); here, the trainer's, and

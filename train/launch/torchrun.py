@@ -6,6 +6,9 @@ It checks the task's keys here rather than in its own process: a task's module (
 which torchrun imports next anyway, so a launch imports torch once on its way to the workers, not twice
 (about 1.5 s of CPU). A bad key is still one line and exit 2 before torchrun starts a worker. (A launcher that
 waits for the rendezvous host imports torch to probe it, and checks every key itself before it waits.)
+
+The stop budget holds on every supported torch: where this torchrun does not know --shutdown-timeout (torch
+2.11's), the option is taken out of its arguments and its agent is given the budget here instead (stop_budget).
 """
 
 from __future__ import annotations
@@ -33,7 +36,31 @@ def main(argv: list[str]) -> int | None:
             return EXIT_USAGE
         from torch.distributed.run import main as torchrun
 
+        argv = stop_budget(argv)
     return torchrun(argv)
+
+
+def stop_budget(argv: list[str]) -> list[str]:
+    """torchrun's arguments, less --shutdown-timeout=N where this torchrun does not accept it; then its agent
+    closes the workers within N seconds all the same (torch 2.11's passes no timeout to its PContext.close, whose
+    default is a fixed 30 s, where 2.14's passes --shutdown-timeout)."""
+    from torch.distributed.run import get_args_parser
+
+    options = get_args_parser()._option_string_actions
+    flag, end = "--shutdown-timeout=", argv.index("-m") if "-m" in argv else 0  # torchrun's own options end there
+    given = [a for a in argv[:end] if a.startswith(flag)]
+    if not given or "--shutdown-timeout" in options:
+        return argv
+    budget = int(given[-1][len(flag):])
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+
+    def close_within_budget(self, death_sig=None, timeout=None):
+        return close(self, death_sig, budget)
+
+    api.PContext.close = close_within_budget
+    return [a for a in argv[:end] if a not in given] + argv[end:]
 
 
 if __name__ == "__main__":

@@ -45,13 +45,18 @@ HINTS = [
      "a collective timed out: a rank hung or died (see the per-rank logs in the run directory); raise "
      "dist.timeout_s if steps are legitimately slower"),
 ]
+# Once a round began training its rendezvous worked: a DistNetworkError or a refused connection is then what the
+# other ranks say of a peer gone (the store it hosted closed), not a rendezvous to blame.
+AFTER_START = [(re.compile(r"RendezvousConnectionError|Name or service not known"), hint)
+               if hint.startswith("cannot reach the rendezvous") else (pattern, hint) for pattern, hint in HINTS]
 
 
-def explain(output: str, opts: dict[str, str | None]) -> str:
-    """One line: why torchrun failed and what to try."""
+def explain(output: str, opts: dict[str, str | None], started: bool = False) -> str:
+    """One line: why torchrun failed and what to try. `started`: the round that ended began training (its
+    rendezvous worked)."""
     endpoint = opts["rdzv_endpoint"] or "the local rendezvous"
     host, port = split_endpoint(opts["rdzv_endpoint"]) if opts["rdzv_endpoint"] else ("localhost", "?")
-    for pattern, hint in HINTS:
+    for pattern, hint in AFTER_START if started else HINTS:
         if pattern.search(output):
             return hint.format(endpoint=endpoint, host=host, port=port)
     restarts = opts["max_restarts"]
@@ -123,6 +128,14 @@ class History:
         return rc
 
 
+def _first_failure(run_dir: Path, launch_id: str, ended: int) -> dict | None:
+    """The first FAILED marker (a rank's own error: train/stops/markers.py) of the last round that wrote one,
+    if that round is not older than the one that ended."""
+    found = markers.failures(run_dir, launch_id)
+    last = max((m.get("round", 0) for m in found), default=-1)
+    return next((m for m in found if m.get("round", 0) == last), None) if last >= ended else None
+
+
 def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budget: int, usage: list[str],
              tail: list[str], opts: dict[str, str | None], failure: str | None) -> int:
     """The launcher's exit code for how torchrun ended, and its last line. torchrun's restarts (--max-restarts)
@@ -158,8 +171,13 @@ def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budge
              f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
              f"plus one checkpoint save plus a margin), and the scheduler's grace period above it")
         return 1
+    if failure is None and (own := _first_failure(cfg.run_dir, launch_id, ended)) is not None:
+        # A rank's own error, not what the others ran into after it (a peer gone, the store it hosted closed:
+        # torchrun's output then reads like a rendezvous or a network that failed).
+        say(f"error: rank {own.get('rank')} failed: {own.get('error')} (its traceback is above)")
+        return 1
     if failure is None and (hang := markers.read(cfg.run_dir, "HANG", launch_id)) is not None:
         say(f"error: {hang.get('error', 'a collective timed out')}")  # train/parallel/hang.py's line
         return 1
-    say(failure or f"error: {explain(''.join(tail), opts)}")
+    say(failure or f"error: {explain(''.join(tail), opts, started is not None)}")
     return 1

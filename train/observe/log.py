@@ -69,6 +69,7 @@ class RunLog:
         self.console.setLevel(logging.INFO if self.is_main else logging.WARNING)
         self.logger.addHandler(to_file)
         self.logger.addHandler(self.console)
+        self.file = to_file
         self.metrics_path = run_dir / "metrics.jsonl"
         self.last_train_loss = float("nan")  # rank 0: the last logged training loss (summary.json)
 
@@ -77,6 +78,10 @@ class RunLog:
 
     def warning(self, msg: str) -> None:
         self.logger.warning(msg)
+
+    def to_file(self, msg: str) -> None:
+        """An error into this rank's log file only (a traceback that the console's one line points to)."""
+        self.file.handle(self.logger.makeRecord(self.logger.name, logging.ERROR, __file__, 0, msg, None, None))
 
     def metrics(self, record: dict) -> None:
         """Append one record to metrics.jsonl (rank 0 only), whatever the tracker."""

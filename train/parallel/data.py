@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from train.config import Config, ConfigError
+from train.parallel.shipping import WorkerContext
 from train.stops.signals import ignore_stop_signals
 from train.task import default_collate
 
@@ -191,9 +192,9 @@ def worker_context():
     the workers then end too (torch's workers watch their parent).
 
     The cost: a worker's arguments are pickled, the dataset among them (and a task's own collate, the task with
-    it); its tensors go through shared memory (moved there once, then passed as file descriptors), an
-    ImageFolder's file list is copied."""
-    ctx = torch.multiprocessing.get_context("forkserver")
+    it); its tensors go through shared memory (moved there once, then passed as file descriptors; thousands of
+    small ones packed into one block: train/parallel/shipping.py), an ImageFolder's file list is copied."""
+    ctx = WorkerContext()  # forkserver's, its arguments shipped whatever number of tensors they hold
     ctx.set_forkserver_preload(["train.parallel.loader_server", "train.parallel.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
     # started once per process; a fork server that died (SIGKILL) is started again at the next worker.

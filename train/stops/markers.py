@@ -2,11 +2,11 @@
 
 <run_dir>/.launch/<launch id>.<name>, JSON, written atomically: STARTED (training begins: a stop from now on
 ends with a checkpoint), STOPPED (a stop after a checkpoint), FINISHED (the run is complete), USAGE_ERROR
-(train/__main__.py), HANG (train/parallel/hang.py: its line, and the processes of the ranks that did not
-answer). The launch id is TRAIN_LAUNCH_ID, a new one for each `python -m train.launch` (each node's launcher
-has its own); `round` is torchrun's round of the writer, as the launcher judges an ending by the markers of
-the round that ended (train/launch/verdict.py). Rank 0 also writes STOPPED into the run directory for the user.
-Standard library only: the launcher reads them.
+(train/__main__.py), FAILED.<rank> (train/trainer.py: a rank's own error), HANG (train/parallel/hang.py: its
+line, and the processes of the ranks that did not answer). The launch id is TRAIN_LAUNCH_ID, a new one for
+each `python -m train.launch` (each node's launcher has its own); `round` is torchrun's round of the writer,
+as the launcher judges an ending by the markers of the round that ended (train/launch/verdict.py). Rank 0 also
+writes STOPPED into the run directory for the user. Standard library only: the launcher reads them.
 """
 
 from __future__ import annotations
@@ -71,6 +71,37 @@ def read(run_dir: Path, name: str, launch: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) else {}
+
+
+def error_line(e: BaseException) -> str:
+    """An exception as the last line of its traceback; one raised in a loader worker, which torch raises again
+    in the training process with the worker's traceback in its message, as that traceback's last line."""
+    text = str(e).strip()
+    if "Original Traceback" in text:
+        return text.splitlines()[-1][:300]
+    return f"{type(e).__name__}: {text.splitlines()[0]}"[:300] if text else type(e).__name__
+
+
+def write_failure(run_dir: Path, rank: int, e: BaseException) -> None:
+    """Under the launcher, a worker's own error (an exception nobody explained: a bug in a model or data set), for
+    its node's launcher, which names it in its last line rather than what the other ranks then ran into (a peer
+    gone, a store that stopped answering): FAILED.<rank>, each rank its own, written before the process group
+    is torn down (which is what the others run into)."""
+    if not launch_id():
+        return
+    with contextlib.suppress(OSError):  # the launcher then explains torchrun's output as before
+        write(run_dir, f"FAILED.{rank}", {"rank": rank, "error": error_line(e), "time": time.time(),
+                                          "launch_id": launch_id(), "round": launch_round()})
+
+
+def failures(run_dir: Path, launch: str) -> list[dict]:
+    """The FAILED markers of the launch `launch`, the first written first."""
+    found = []
+    for p in (run_dir / FOLDER).glob(f"{launch}.FAILED.*"):
+        with contextlib.suppress(OSError, ValueError):
+            if isinstance(marker := json.loads(p.read_text()), dict):
+                found.append(marker)
+    return sorted(found, key=lambda m: m.get("time", 0))
 
 
 def forget(run_dir: Path, launch: str) -> None:

@@ -13,8 +13,9 @@ the same weights under DDP and FSDP, on any number of ranks. A Hugging Face GPT-
 GPT2LMHeadModel: config.json and safetensors) loads into it (hf_model: the same names, Conv1D weights
 transposed, the vocabulary's padding rows left out), and `python -m train.export --format hf` writes one.
 
-`python -m train.prepare` makes shards from text files. Throughput is counted in tokens, evaluation logs the
-loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
+`python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
+shards.MaskedWindows, makes the loss the mean over the counted tokens). Throughput is counted in tokens, evaluation
+logs the loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
@@ -56,7 +56,7 @@ class LanguageModel(Task):
     class Config:
         data: str = "builtin"  # builtin, or llm.c/nanoGPT shards: a folder, a .bin file or a glob
         eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
-        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         model: Literal["gpt2", "tiny", "nano"] = "tiny"  # a preset of train/tasks/gpt_model.py
         seq_len: int = 0  # tokens per window; 0: the preset's block size (gpt2 1024, tiny 128, nano 64)
         n_layer: int = 0  # 0: the preset's
@@ -64,7 +64,7 @@ class LanguageModel(Task):
         n_embd: int = 0  # 0: the preset's
         vocab_size: int = 0  # 0: the preset's for shards (gpt2 50257, tiny/nano 256 bytes); builtin: 64
         n_positions: int = 0  # learned positions (the longest window); 0: seq_len, else the preset's block size
-        dropout: float = 0.0
+        dropout: float = 0.0  # dropout probability in the blocks (0: none)
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
         init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
@@ -156,8 +156,6 @@ class LanguageModel(Task):
             for key in ("train_tokens", "eval_tokens"):
                 if getattr(c, key) <= self.seq_len():
                     raise ConfigError(f"task.{key} must be > seq_len ({self.seq_len()}), got {getattr(c, key)}")
-        elif g.vocab_size > 2**16:
-            raise ConfigError(f"task.vocab_size: shards hold uint16 token ids (< 65536), got {g.vocab_size}")
         if c.eval_data and c.data == "builtin":
             raise ConfigError("task.eval_data is for shards; the builtin corpus has its own evaluation split")
 
@@ -200,14 +198,11 @@ class LanguageModel(Task):
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # autocast computes it in fp32
+        return shards.lm_loss(model(x), y)  # over the targets that count (a masked shard's); autocast: in fp32
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
-        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+        return shards.lm_eval(model(x), y)  # averaged per counted token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:

@@ -15,9 +15,11 @@ embeddings' frequencies, computed), then the folder's weights (init_from: the pa
 a resume continues the run). `python -m train.export --format hf` writes the trained model as a folder of the same
 architecture: the path's config.json, the trained safetensors and the files the folder has beside (its tokenizer).
 
-The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer; every token id
-is checked against the model's vocabulary. transformers, safetensors and tokenizers are an optional extra (pip
-install -r requirements-hf.txt), imported only when a run names this task.
+The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer (uint32 for a
+vocabulary over 65536); every token id is checked against the model's vocabulary. Shards with a loss mask beside them
+(python -m train.prepare --chat) train on the assistant's tokens only, a conversation a window. transformers,
+safetensors and tokenizers are an optional extra (pip install -r requirements-hf.txt), imported only when a run names
+this task.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
@@ -65,7 +66,7 @@ class CausalLM(Task):
         path: str = ""  # the Hugging Face model folder: config.json, *.safetensors (its tokenizer beside)
         data: str = ""  # shards made with the model's tokenizer: a folder, a .bin file or a glob (*train*, *val*)
         eval_data: str = ""  # shards to evaluate on; empty: those of `data` named *val* (train: *train*)
-        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic number, else bare uint16
+        format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         seq_len: int = 1024  # tokens per window (at most the model's max_position_embeddings)
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
 
@@ -235,14 +236,11 @@ class CausalLM(Task):
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
-        logits = self.logits(model, x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))  # autocast computes it in fp32
+        return shards.lm_loss(self.logits(model, x), y)  # over the targets that count; autocast: in fp32
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch
-        logits = self.logits(model, x).float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
-        return {"loss": loss, "count": y.numel()}  # averaged per token, not per window
+        return shards.lm_eval(self.logits(model, x), y)  # averaged per counted token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:

@@ -31,14 +31,14 @@ class ImageClassification(Task):
     class Config:
         data: Literal["builtin", "cifar10", "imagefolder"] = "builtin"
         path: str = ""  # cifar10: the cifar-10-batches-py folder; imagefolder: a folder with train/ and val/
-        image_size: int = 32
+        image_size: int = 32  # pixels a side the model sees (builtin data is drawn at this size)
         num_classes: int = 10  # builtin data only; cifar10 has 10, imagefolder counts its folders
         train_samples: int = 8192  # builtin data only
         eval_samples: int = 2048  # builtin data only
         augment: bool = True  # random crop and flip
         model: str = "resnet18"  # a torchvision ResNet
         small_input: bool = True  # 3x3 stem without max-pool when image_size <= 64 (CIFAR-style)
-        norm: Literal["batch", "group"] = "batch"
+        norm: Literal["batch", "group"] = "batch"  # the ResNet's normalization layers
 
     unit = "images"
 

@@ -1,10 +1,14 @@
 """Token shards on disk, in the two formats people have, and the windows a language model trains on.
 
-- llm.c: a header of 256 int32 (magic 20240520, version 1, the number of tokens, then zeros), then the
-  tokens as uint16. The format of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...) for GPT-2. The
-  other files of that family are refused by name: its llama-3 shards (magic 20240801, version 7, uint32
-  tokens) and its evaluation files (magic 20240522: HellaSwag/MMLU examples, not a token stream).
+- llm.c: a header of 256 int32 (magic, version, the number of tokens, then zeros), then the tokens: magic
+  20240520 version 1 for uint16 tokens (GPT-2's), magic 20240801 version 7 for uint32 (Llama 3's, and any
+  vocabulary over 65536): the formats of llm.c's dev/data scripts (fineweb, tinyshakespeare, ...). Its
+  evaluation files are refused by name (magic 20240522: HellaSwag/MMLU examples, not a token stream).
 - nanoGPT: the tokens as bare uint16, nothing else (its data/*/prepare.py: train.bin, val.bin).
+
+A shard may have a loss mask beside it (python -m train.prepare --chat): NAME.mask for NAME.bin, one byte a
+token: bit 0 set where the token counts in the loss as a target (the assistant's), bit 1 where a conversation
+starts. Masked shards are read as MaskedWindows: each conversation in windows of its own.
 
 Shards are memory-mapped, never read whole: a TokenWindows holds only paths and lengths (it pickles in
 microseconds to every loader worker) and each process opens its memory maps on first access. A malformed
@@ -30,28 +34,39 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
 
-MAGIC, VERSION = 20240520, 1
-# llm.c's other headers (its dev/data/data_common.py): a shard of them read as bare uint16 would be garbage.
-OTHER_MAGICS = {20240801: "a llama-3 token shard (llm.c's magic 20240801, version 7, uint32 tokens)",
-                20240522: "an evaluation file (llm.c's magic 20240522: HellaSwag/MMLU examples, not a token stream)"}
+MAGIC, VERSION = 20240520, 1  # llm.c's gpt-2 shards: uint16 tokens
+MAGIC32, VERSION32 = 20240801, 7  # llm.c's llama-3 shards: uint32 tokens
+# llm.c's other header (its dev/data/data_common.py): a file of it read as bare uint16 would be garbage.
+OTHER_MAGICS = {20240522: "an evaluation file (llm.c's magic 20240522: HellaSwag/MMLU examples, not a token stream)"}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-TOKEN = np.dtype("<u2")  # both formats: little-endian uint16 (vocabularies up to 65536)
+TOKEN = np.dtype("<u2")  # nanoGPT's and llm.c's gpt-2 shards: little-endian uint16 (vocabularies up to 65536)
+TOKEN32 = np.dtype("<u4")  # llm.c's llama-3 shards: little-endian uint32
 Format = Literal["auto", "llmc", "nanogpt"]
+MASK = ".mask"  # the loss mask beside a shard: uint8 a token
+COUNTS, STARTS = 1, 2  # a mask byte's bits: the token counts in the loss (as a target); a conversation starts
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest token type llm.c has for a vocabulary: uint16 up to 65536 tokens, else uint32."""
+    return TOKEN if vocab_size <= 2**16 else TOKEN32
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
 class Shard:
-    """Where a shard's tokens are: `count` uint16 from byte `offset` of `path`, or an in-memory `array`."""
+    """Where a shard's tokens are: `count` tokens of type `dtype` from byte `offset` of `path`, or an in-memory
+    `array`."""
 
     path: str
     offset: int
     count: int
     array: np.ndarray | None = None  # the built-in corpus: no file
+    dtype: np.dtype = TOKEN
 
     @classmethod
     def of_array(cls, tokens: np.ndarray, name: str) -> Shard:
@@ -60,20 +75,36 @@ class Shard:
     def tokens(self) -> np.ndarray:
         if self.array is not None:
             return self.array
-        return np.memmap(self.path, dtype=TOKEN, mode="r", offset=self.offset, shape=(self.count,))
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.count,))
+
+    def mask_path(self) -> Path | None:
+        """The loss mask beside the shard (NAME.mask), None where there is none."""
+        if self.array is not None:
+            return None
+        path = Path(self.path).with_suffix(MASK)
+        return path if path.is_file() else None
 
 
-def write_shard(path: str | Path, tokens: np.ndarray, fmt: Literal["llmc", "nanogpt"] = "llmc") -> None:
-    """Write one shard. Token ids must fit uint16 (the GPT-2 encoding's 50257 do)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must be in [0, 65535] to be stored as uint16")
+def header(count: int, dtype: np.dtype) -> bytes:
+    """llm.c's 1024-byte header for `count` tokens of `dtype` (uint16: gpt-2's, uint32: llama-3's)."""
+    h = np.zeros(HEADER_INTS, dtype="<i4")
+    h[:3] = (MAGIC, VERSION, count) if np.dtype(dtype) == TOKEN else (MAGIC32, VERSION32, count)
+    return h.tobytes()
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, fmt: Literal["llmc", "nanogpt"] = "llmc",
+                dtype: np.dtype = TOKEN) -> None:
+    """Write one shard, its tokens as `dtype`: uint16 (the GPT-2 encoding's 50257 fit), or uint32 (llm.c's
+    llama-3 format; nanoGPT's has no header to say so, and stays uint16)."""
+    tokens, dtype = np.asarray(tokens), np.dtype(dtype)
+    if fmt == "nanogpt" and dtype != TOKEN:
+        raise ValueError(f"{path}: nanoGPT's bare format holds uint16 tokens only")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{path}: token ids must be in [0, {np.iinfo(dtype).max}] to be stored as {dtype.name}")
     with open(path, "wb") as f:
         if fmt == "llmc":
-            header = np.zeros(HEADER_INTS, dtype="<i4")
-            header[:3] = MAGIC, VERSION, len(tokens)
-            f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN).tobytes())
+            f.write(header(len(tokens), dtype))
+        f.write(tokens.astype(dtype).tobytes())
 
 
 def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
@@ -86,12 +117,11 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
             head = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4", count=min(size, HEADER_BYTES) // 4)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the shard ({e.strerror or e})") from None
-    has_magic = len(head) > 0 and head[0] == MAGIC
+    has_magic = len(head) > 0 and int(head[0]) in (MAGIC, MAGIC32)
     if fmt != "nanogpt" and len(head) > 0 and int(head[0]) in OTHER_MAGICS:
         bare = "" if fmt == "llmc" else "; a bare uint16 file that starts so: set task.format=nanogpt"
-        raise ConfigError(f"{path}: {OTHER_MAGICS[int(head[0])]}; this trainer reads GPT-2's uint16 shards "
-                          f"(magic 20240520): tokenize for GPT-2 (llm.c's --model_desc gpt-2, or python -m "
-                          f"train.prepare){bare}")
+        raise ConfigError(f"{path}: {OTHER_MAGICS[int(head[0])]}; this trainer reads token shards (llm.c's "
+                          f"magic 20240520 or 20240801): make them with python -m train.prepare{bare}")
     if fmt == "nanogpt" or (fmt == "auto" and not has_magic):
         if size % 2:
             raise ConfigError(f"{path}: {size} bytes is not a whole number of uint16 tokens: truncated, or not "
@@ -99,19 +129,21 @@ def open_shard(path: str | Path, fmt: Format = "auto") -> Shard:
         return Shard(path, 0, size // 2)
     if not has_magic:
         found = head[0] if len(head) else "nothing"
-        raise ConfigError(f"{path}: bad magic number {found}, not an llm.c shard (20240520); "
+        raise ConfigError(f"{path}: bad magic number {found}, not an llm.c shard (20240520 or 20240801); "
                           "for nanoGPT's bare uint16 files set task.format=nanogpt or auto")
     if len(head) < HEADER_INTS:
         raise ConfigError(f"{path}: truncated: {size} bytes, shorter than llm.c's 1024-byte header")
-    if head[1] != VERSION:
-        raise ConfigError(f"{path}: llm.c shard version {head[1]}, expected {VERSION} (uint16 tokens)")
+    magic, (version, dtype) = int(head[0]), ((VERSION, TOKEN) if head[0] == MAGIC else (VERSION32, TOKEN32))
+    if head[1] != version:
+        raise ConfigError(f"{path}: llm.c shard version {head[1]} with magic {magic}, expected {version} "
+                          f"({dtype.itemsize * 8}-bit tokens)")
     count = int(head[2])
-    expected = HEADER_BYTES + 2 * count
+    expected = HEADER_BYTES + dtype.itemsize * count
     if size != expected:
         what = "truncated" if size < expected else "has trailing bytes"
         raise ConfigError(f"{path}: {what}: its header says {count} tokens ({expected} bytes), the file has "
                           f"{size} bytes; write it again (python -m train.prepare)")
-    return Shard(path, HEADER_BYTES, count)
+    return Shard(path, HEADER_BYTES, count, dtype=dtype)
 
 
 TOKEN_MAX = ".token_max.json"  # {file name: [size, mtime_ns, largest token id]}, one per folder of shards
@@ -244,8 +276,25 @@ def split_shards(files: list[str], split: str, spec: str, key: str = "task.data"
     return chosen
 
 
+def masked(split: list[Shard], key: str) -> bool:
+    """Whether the shards have their loss masks (all of them: some without is a ConfigError), each one byte a token
+    of its shard."""
+    found = [s.mask_path() for s in split]
+    if not any(found):
+        return False
+    if not all(found):
+        missing = next(s.path for s, m in zip(split, found, strict=True) if m is None)
+        raise ConfigError(f"{key}: {missing} has no loss mask ({Path(missing).with_suffix(MASK).name}) where other "
+                          f"shards have theirs: prepare them together (python -m train.prepare --chat)")
+    for s, m in zip(split, found, strict=True):
+        if m.stat().st_size != s.count:
+            raise ConfigError(f"{m}: {m.stat().st_size} bytes for the {s.count} tokens of {s.path} (one a token): "
+                              f"write them again (python -m train.prepare --chat)")
+    return True
+
+
 def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: int, vocab: str = VOCAB_KEY,
-            hint: str = VOCAB_HINT) -> tuple[TokenWindows, TokenWindows]:
+            hint: str = VOCAB_HINT) -> tuple[TokenWindows | MaskedWindows, TokenWindows | MaskedWindows]:
     """The training and evaluation windows of a language model's shards: the *train* and *val* files of `data`
     (task.data), or those of `data` and `eval_data` (task.eval_data); every token id checked < vocab_size
     (check_vocab); ConfigError where a split has no shard or no whole window."""
@@ -259,9 +308,10 @@ def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: in
     splits = [("task.data", train_files), ("task.eval_data" if eval_data else "task.data", val_files)]
     opened = [[open_shard(p, fmt) for p in paths] for _, paths in splits]
     check_vocab(opened[0] + opened[1], vocab_size, vocab, hint)  # read once, then cached (and by rank 0 only)
+    chat = masked(opened[0] + opened[1], "task.eval_data" if eval_data else "task.data")
     out = []
     for (key, paths), split in zip(splits, opened, strict=True):
-        ds = TokenWindows(split, seq_len)
+        ds = MaskedWindows(split, seq_len) if chat else TokenWindows(split, seq_len)
         if len(ds) == 0:
             raise ConfigError(f"{key}: no window of seq_len + 1 = {seq_len + 1} tokens fits in any "
                               f"shard of {', '.join(paths)}; lower task.seq_len")
@@ -298,3 +348,70 @@ class TokenWindows(Dataset):
         begin = (index - self.starts[k]) * self.seq_len
         w = torch.from_numpy(self._maps[k][begin:begin + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
+
+
+IGNORE = -100  # a target that counts in no loss (cross_entropy's ignore_index): the user's turns, padding
+
+
+class MaskedWindows(Dataset):
+    """Windows over masked shards (python -m train.prepare --chat): each conversation on its own, in windows of
+    seq_len + 1 tokens from its first (every seq_len tokens: a longer one is split at window boundaries), the last
+    padded; item i is (x, y) as TokenWindows' with y = IGNORE where the target does not count (its mask's bit 0 is
+    clear, or padding). No window holds two conversations: none is in another's context or loss.
+    Holds two int64 a window (where it starts and where its conversation ends), found from the masks once."""
+
+    def __init__(self, shards: list[Shard], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        begins, ends, counts = [], [], []
+        for s in shards:
+            mask = np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
+            starts = [np.zeros(1, np.int64)] + [
+                lo + np.flatnonzero(mask[lo:lo + (1 << 24)] & STARTS) for lo in range(0, s.count, 1 << 24)]
+            bounds = np.unique(np.concatenate(starts + [np.array([s.count])]))  # a shard's start begins one too
+            lo, hi = bounds[:-1], bounds[1:]
+            n = np.maximum(0, -(-(hi - lo - 1) // seq_len))  # windows a conversation: ceil((length - 1) / seq_len)
+            first = np.repeat(lo, n)
+            offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+            begins.append(first + offset * seq_len)
+            ends.append(np.repeat(hi, n))
+            counts.append(int(n.sum()))
+            del mask
+        self.begin = np.concatenate(begins) if begins else np.zeros(0, np.int64)
+        self.end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self.starts = np.cumsum([0] + counts).tolist()
+        self._maps: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(shards)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": [None] * len(self.shards)}
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        k = bisect.bisect_right(self.starts, index) - 1
+        if self._maps[k] is None:
+            s = self.shards[k]
+            self._maps[k] = s.tokens(), np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
+        tokens, mask = self._maps[k]
+        b, e = int(self.begin[index]), int(self.end[index])
+        w = tokens[b:min(b + self.seq_len + 1, e)].astype(np.int64)
+        x = np.zeros(self.seq_len, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        x[:len(w) - 1] = w[:-1]
+        y[:len(w) - 1] = np.where(mask[b + 1:b + len(w)] & COUNTS, w[1:], IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next-token cross entropy, the mean over the targets that count (all but IGNORE's; 0 where none does)."""
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return total / (y != IGNORE).sum().clamp(min=1)
+
+
+def lm_eval(logits: torch.Tensor, y: torch.Tensor) -> dict:
+    """An evaluation batch's summed loss and the number of targets it counts (averaged per counted token)."""
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+    return {"loss": loss, "count": (y != IGNORE).sum()}
