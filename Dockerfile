@@ -54,6 +54,8 @@ WORKDIR /app
 COPY train/ train/
 COPY configs/ configs/
 COPY examples/ examples/
+# Your own task files (tasks/my_task.py, tasks/my.yaml): the one folder of yours the build context sends.
+COPY tasks/ tasks/
 RUN python -m compileall -q train \
     && ln -s /runs runs
 

@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench clean-runs
+.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench gpu-check clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -88,6 +88,17 @@ GPU_JSON ?=
 bench: dev
 	$(PY) bench/run_all.py $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
 
+# One prepared check of a GPU machine, minutes (bench/gpu_check.py): its stages in order of value, each writing
+# OUT/gpu_check.json as it ends. It installs nothing: the machine's own python and torch run it (.venv's if there
+# is one). SMOKE=1: the same stages at toy sizes on the CPU. `make bench GPU_JSON=OUT/gpu_check.json` shows it.
+# BUDGET: seconds after which no stage starts (a stage running then is cut), so a run stays within it.
+OUT ?= gpu-check
+SMOKE ?=
+BUDGET ?= 300
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(OUT) --budget-s $(if $(SMOKE),3000,$(BUDGET)) $(if $(SMOKE),--smoke)
+
 clean-runs:
 	rm -rf runs
 
@@ -103,9 +114,24 @@ PROFILE ?= gpu
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_PROJECT ?= ddp-template
 
-.PHONY: docker-build compose-up compose-down
+.PHONY: docker-build docker-context-check compose-up compose-down
 
-docker-build:
+# The build context is an allow-list (.dockerignore): a config in configs/ or tasks/ whose task.name is a file
+# outside train/, configs/, examples/ and tasks/ (my_task.py at the root) would build an image that cannot
+# import its task. Refused here, in one line; an absolute path is a mount's (a ConfigMap, docker run -v).
+docker-context-check:
+	@for f in configs/*.yaml tasks/*.yaml; do \
+		[ -f "$$f" ] || continue; \
+		for py in $$(sed -n 's/^[[:space:]]*name:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]#]*\.py\):.*/\1/p' "$$f"); do \
+			case "$$py" in \
+				/*) ;; \
+				train/*|configs/*|examples/*|tasks/*) [ -f "$$py" ] || { echo "error: $$f: task.name names $$py, which does not exist" >&2; exit 2; } ;; \
+				*) echo "error: $$f: task.name names $$py, which the image leaves out (.dockerignore is an allow-list): move it to tasks/ and name it tasks/$${py##*/}" >&2; exit 2 ;; \
+			esac; \
+		done; \
+	done
+
+docker-build: docker-context-check
 	docker build -t $(IMAGE) --build-arg VERSION=$(IMAGE_VERSION) \
 		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
 		--build-arg SOURCE=$$(git config --get remote.origin.url | sed -E 's#//[^/@]*@#//#' | grep . || echo unknown) .

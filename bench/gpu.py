@@ -12,9 +12,9 @@
   device's dense bf16 peak); llm.c reports about 40% MFU for it on an H100, the goal here.
 One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
 
-    torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--json OUT]
+    torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--micro-batch 8] [--compile] [--json OUT]
 
-- The language model (GPT-2 small, 124M, 1024 tokens, micro-batch 8 per GPU, bf16, AdamW) wrapped by
+- The language model (GPT-2 small, 124M, windows of 1024 tokens, micro-batch 8 per GPU, bf16, AdamW) wrapped by
   train/parallel/wrapping.py with DDP and with FSDP (dist.strategy): tokens/s over all GPUs and the peak memory of
   the fullest GPU. `--lm --smoke` runs it on CPU ranks (gloo) with the nano model: a check of the script.
 """
@@ -101,7 +101,7 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
     return windows_per_s * seq, mfu
 
 
-def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
+def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, warmup: int, steps: int,
             device: torch.device) -> tuple[float, float]:
     """Tokens/s over all ranks and the largest peak of allocated memory of any rank (0 on CPU)."""
     import torch.distributed as dist
@@ -110,8 +110,8 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
     from train.parallel import wrapping
 
     cuda, world = device.type == "cuda", dist.get_world_size()
-    cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", "optim.name=adamw",
-                                           "train.precision=bf16", f"dist.strategy={strategy}"])
+    cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", f"task.seq_len={seq}",
+                                           "optim.name=adamw", "train.precision=bf16", f"dist.strategy={strategy}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model()  # on the meta device: given its memory as the trainer does
@@ -121,13 +121,14 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
     if strategy == "fsdp":
         wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
+    step_model = torch.compile(wrapped) if compile_ else wrapped  # as the trainer compiles (train.compile)
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = task.loss(wrapped, (inp, tgt))
+            loss = task.loss(step_model, (inp, tgt))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -150,7 +151,7 @@ def _lm_run(strategy: str, model: str, batch: int, warmup: int, steps: int,
     return world * batch * g.block_size * steps / seconds, peak.item()
 
 
-def lm_strategies(steps: int, smoke: bool) -> dict:
+def lm_strategies(steps: int, smoke: bool, batch: int = 8, compile_: bool = False) -> dict:
     """DDP against FSDP for the language model, under torchrun: every rank runs this."""
     import torch.distributed as dist
 
@@ -160,10 +161,12 @@ def lm_strategies(steps: int, smoke: bool) -> dict:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, batch, warmup = ("nano", 2, 1) if smoke else ("gpt2", 8, 3)
-    fig: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "lm_world_size": world}
+    model, seq, warmup = ("nano", 32, 1) if smoke else ("gpt2", 1024, 3 + 2 * compile_)
+    batch = 2 if smoke else batch
+    fig: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "lm_world_size": world,
+                 "lm_micro_batch": batch, "lm_seq_len": seq, "lm_compile": compile_}
     for strategy in ("ddp", "fsdp"):
-        tokens_s, peak = _lm_run(strategy, model, batch, warmup, steps, device)
+        tokens_s, peak = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
         fig[f"lm_{strategy}_tokens_per_s"], fig[f"lm_{strategy}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
         gc.collect()
         if cuda:
@@ -180,12 +183,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="seconds, on CPU: tiny sizes, no compile")
     p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
+    p.add_argument("--micro-batch", type=int, default=8, help="--lm: windows of 1024 tokens a GPU a step")
+    p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--json")
     args = p.parse_args()
     if args.lm:
         if not args.smoke and not torch.cuda.is_available():
             raise SystemExit("bench/gpu.py --lm needs CUDA GPUs (or --smoke for a CPU check of the script)")
-        fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke)
+        fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke, args.micro_batch, args.compile)
         for k, v in fig.items():
             print(f"{k:28s} {v if isinstance(v, str) else f'{v:.3f}'}")
         if fig:

@@ -2,8 +2,9 @@
 
     python bench/run_all.py [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE]
 
-The GPU figures come from bench/gpu.py where a GPU is present, or from --gpu-json (the JSON that
-`bench/gpu.py --json` wrote on a GPU machine); otherwise they are marked as not measured.
+The GPU figures come from bench/gpu.py where a GPU is present, or from --gpu-json: the JSON that
+`bench/gpu.py --json` wrote on a GPU machine, or `make gpu-check`'s gpu_check.json (a GPU table of its own, the
+GPU, driver, torch and CUDA named); otherwise they are marked as not measured.
 """
 
 from __future__ import annotations
@@ -81,6 +82,59 @@ ROWS = [
 ]
 
 
+# `make gpu-check`'s JSON (bench/gpu_check.py): (stage, key, figure, goal text, is the goal met?)
+GPU_ROWS = [
+    ("gpt", "trainer_tokens_per_s", "GPT-2 124M, 16 x 1024, bf16, compile: python -m train, tokens/s", "", None),
+    ("gpt", "bare_tokens_per_s", "  a bare loop of the same model and optimizer, tokens/s", "", None),
+    ("gpt", "trainer_over_bare", "  python -m train / the bare loop", ">= 0.98", lambda v: v >= 0.98),
+    ("gpt", "trainer_mfu", "  MFU through python -m train", ">= 0.40", lambda v: v >= 0.40),
+    ("gpt", "trainer_peak_gib", "  peak memory, GiB", "", None),
+    ("stop_relaunch", "ddp.equal", "stopped and relaunched = never stopped, bitwise, DDP, async save every step",
+     "yes", lambda v: v is True),
+    ("stop_relaunch", "fsdp.equal", "  the same under FSDP", "yes", lambda v: v is True),
+    ("hf", "equal", "Hugging Face Llama, FSDP, bf16, from the folder: stopped and relaunched = never stopped", "yes",
+     lambda v: v is True),
+    ("hf", "export_loads", "  exported and loaded by transformers", "yes", lambda v: v is True),
+    ("fsdp_vs_ddp", "lm_ddp_tokens_per_s", "GPT-2 124M on one GPU, 16 x 1024, compile: DDP tokens/s", "", None),
+    ("fsdp_vs_ddp", "lm_fsdp_tokens_per_s", "  FSDP tokens/s", "", None),
+    ("fsdp_vs_ddp", "lm_fsdp_over_ddp_speed", "  FSDP / DDP", ">= 0.9", lambda v: v >= 0.9),
+    ("resnet50", "eager.images_per_s", "ResNet-50 224 px bf16 channels_last through python -m train, images/s", "",
+     None),
+    ("resnet50", "compile.images_per_s", "  the same with train.compile, images/s", "", None),
+    ("resnet50", "eager.data_wait_share", "  data wait share (built-in data)", "", None),
+    ("imagefolder", "images_per_s", "ImageFolder of JPEGs, a loader worker per core: images/s", "", None),
+    ("imagefolder", "data_wait_share", "  data wait share", "", None),
+    ("imagefolder", "over_synthetic", "  / the built-in data's images/s (the GPU's)", "", None),
+]
+
+
+def gpu_check_lines(check: dict, source: str) -> list[str]:
+    """BENCHMARKS.md's GPU table from gpu_check.json: the machine named, a row per figure, each stage's verdict."""
+    m, stages = check.get("machine", {}), check.get("stages", {})
+    lines = ["", f"## GPU (`make gpu-check`, from {source})", "",
+             f"- GPU: {m.get('gpu')} x {m.get('gpus', 0)}, driver {m.get('driver')}; torch {m.get('torch')}, "
+             f"CUDA {m.get('cuda')}, Python {m.get('python')}, {m.get('cpus')} CPUs"
+             + (" **Smoke run on the CPU: the figures mean nothing.**" if check.get("smoke") else ""), "",
+             "| figure | value | goal | met |", "| --- | --- | --- | --- |"]
+    for stage, key, label, goal, test in GPU_ROWS:
+        v = stages.get(stage, {})
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        met = "" if v is None or test is None else ("yes" if test(v) else "**no**")
+        lines.append(f"| {label} | {'not measured' if v is None else fmt(v)} | {goal} | {met} |")
+    tests = stages.get("tests", {}).get("tests", {})
+    if tests:
+        lines += ["", "gpu-marked tests: " + "; ".join(f"{k} {v['verdict']} ({v['seconds']:.0f} s)"
+                                                      for k, v in tests.items())]
+    said = []
+    for name, st in stages.items():
+        note = f" (**{st['error'].splitlines()[0][:200]}**)" if "error" in st else ""
+        note += f" (skipped: {st['skipped']})" if "skipped" in st else ""
+        said.append(f"{name} {st.get('seconds', 0):.0f} s{note}")
+    lines += ["", "Stages (seconds each): " + "; ".join(said)]
+    return lines
+
+
 def fmt(v) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -112,16 +166,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    p.add_argument("--gpu-json", help="figures from `bench/gpu.py --json` on a GPU machine")
+    p.add_argument("--gpu-json", help="figures from `bench/gpu.py --json` or `make gpu-check` on a GPU machine")
     args = p.parse_args()
     figures: dict = {}
+    gpu_check: dict | None = None
     gpu_note = "measured here"
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-") as d:
         for name in BENCHES:
             if name == "gpu" and args.gpu_json:
-                figures |= json.loads(Path(args.gpu_json).read_text())
-                gpu_note = f"from {args.gpu_json}"
+                given = json.loads(Path(args.gpu_json).read_text())
+                if "stages" in given:  # make gpu-check's: a table of its own
+                    gpu_check = given
+                    gpu_note = f"the GPU table below, from {args.gpu_json}"
+                else:  # bench/gpu.py --json's figures
+                    figures |= given
+                    gpu_note = f"from {args.gpu_json}"
                 continue
             if name == "gpu" and not args.smoke:
                 import torch
@@ -174,6 +234,8 @@ def main() -> None:
     if rounds:
         lines += ["", "Step-time ratio of each round, in run order (the rounds alternate which loop runs first):", ""]
         lines += [f"- {what}: {', '.join(f'{r:.3f}' for r in values)}" for what, values in rounds]
+    if gpu_check is not None:
+        lines += gpu_check_lines(gpu_check, args.gpu_json)
     lines += ["", f"![ratios against their goals]({png.name})", ""]
     out.write_text("\n".join(lines))
     print(f"wrote {out} and {png}")

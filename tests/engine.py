@@ -23,12 +23,14 @@ from tests.multinode import required
 RUN_FLAGS = ["--read-only", "--user", "10001", "--tmpfs", "/tmp:exec,mode=1777", "--shm-size", "1g"]
 # The image holds no tests/: the runs that stop, resume and restart train tests/small_task.py (the built-in image
 # task with its ResNet at a quarter of the width: steps of milliseconds, saves of 1 MB where ResNet-18's are 90),
-# mounted read-only as a user mounts a task file of theirs, its steps paced (conftest.PACED) where a test acts
-# on a run mid-way. (The image's own models train in the doctor's run, the ResNet, and the compile run, the GPT.)
-SMALL_TASK_IN_IMAGE = "/task/small_task.py"
-SMALL_TASK_VOLUME = f"{ROOT / 'tests' / 'small_task.py'}:{SMALL_TASK_IN_IMAGE}:ro"  # docker run -v, compose volumes
+# mounted read-only into the image's tasks/ as docs/containers.md ("Your own task") mounts a task file of a user's,
+# and named by the path a user writes (tasks/...), its steps paced (conftest.PACED) where a test acts on a run
+# mid-way. (The image's own models train in the doctor's run, the ResNet, and the compile run, the GPT.)
+TASKS_IN_IMAGE = "/app/tasks"  # the image's WORKDIR + tasks/: what `docker run -v "$PWD/tasks:/app/tasks:ro"` mounts
+SMALL_TASK_VOLUME = f"{ROOT / 'tests' / 'small_task.py'}:{TASKS_IN_IMAGE}/small_task.py:ro"  # docker run -v
 SMALL_TASK_MOUNT = ["-v", SMALL_TASK_VOLUME]
-SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_IN_IMAGE}:SmallImages"]
+SMALL_TASK_NAME = "tasks/small_task.py:SmallImages"
+SMALL_TASK = [*RESNET, f"task.name={SMALL_TASK_NAME}"]
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -186,7 +186,8 @@ def signal_at_step(proc: subprocess.Popen, run_dir: Path, step: int, sig: int = 
     time: no step passes meanwhile), then go on (SIGCONT). A run with steps left after the one logged at the
     pause can thus never finish first, however loaded the machine: the race is counted in steps, not seconds.
     `ranks`: how many training processes run under `proc`; None where `proc` is the one training process.
-    Returns the last step logged at the pause; a stop then lands at that step or the next."""
+    Returns the last step logged at the pause; a stop then lands at that step or the next, in runs that log every
+    step (each agrees on a stop at once; a step that logs nothing reads the previous step's agreement)."""
     wait_for(lambda: proc.poll() is not None or any(st >= step for st in logged_steps(run_dir)), timeout,
              f"step {step}")
     assert proc.poll() is None, f"the launch ended (exit {proc.returncode}) before step {step} was logged"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +57,33 @@ def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "f.json").read_text())
     assert figures["tokens"] > 200_000 and figures["peak_rss_mib"] > figures["imports_rss_mib"] > 0, figures
+
+
+def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
+    """`make gpu-check SMOKE=1`: every stage of the GPU machine's check at toy sizes on the CPU, so that the script is
+    known to work before a GPU is there: each stage's figures in gpu_check.json, no stage failed, the stops and
+    relaunches equal the runs that never stopped, and bench/run_all.py makes the GPU table from it."""
+    out = tmp_path / "check"
+    proc = subprocess.run(["make", "gpu-check", "SMOKE=1", f"OUT={out}", f"GPU_PY={PY}"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check = json.loads((out / "gpu_check.json").read_text())
+    stages = check["stages"]
+    assert list(stages) == ["tests", "gpt", "stop_relaunch", "hf", "fsdp_vs_ddp", "resnet50", "imagefolder",
+                            "memory"]
+    failed = {k: v.get("error") or v.get("skipped") for k, v in stages.items() if "error" in v or "skipped" in v}
+    assert not failed, failed
+    assert stages["tests"]["tests"] and stages["tests"]["exit"] == 0
+    assert stages["gpt"]["trainer_tokens_per_s"] > 0 and stages["gpt"]["bare_tokens_per_s"] > 0
+    assert stages["stop_relaunch"]["ddp"]["equal"] and stages["stop_relaunch"]["fsdp"]["equal"]
+    assert stages["stop_relaunch"]["ddp"]["saves"] >= 3  # an asynchronous save at every step, several in a row
+    assert stages["hf"]["equal"] and stages["hf"]["export_loads"] and stages["hf"]["init_from_folder"]
+    assert stages["fsdp_vs_ddp"]["lm_fsdp_over_ddp_speed"] > 0
+    assert stages["resnet50"]["compile"]["images_per_s"] > 0 and stages["imagefolder"]["images_per_s"] > 0
+    assert check["machine"]["torch"]
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run_all
+
+    table = "\n".join(run_all.gpu_check_lines(check, "gpu_check.json"))
+    assert "| stopped and relaunched = never stopped, bitwise, DDP, async save every step | yes | yes | yes |" in table
+    assert "torch " + check["machine"]["torch"] in table

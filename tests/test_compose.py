@@ -19,7 +19,7 @@ import yaml
 
 from tests import engine
 from tests.conftest import PACED, ROOT, latest_state, summary
-from tests.engine import SMALL_TASK, SMALL_TASK_VOLUME, docker, logs, state, volume_path
+from tests.engine import SMALL_TASK, TASKS_IN_IMAGE, docker, logs, state, volume_path
 from tests.image_build import IMAGE_VERSION as VERSION
 from tests.multinode import required, tool
 from tests.procs import logged_steps, wait_for
@@ -27,6 +27,7 @@ from tests.procs import logged_steps, wait_for
 image = engine.image  # the engine's fixture: the image built by make docker-build
 
 COMPOSE = ROOT / "docker-compose.yml"
+TASK_OVERRIDE = ROOT / "tasks" / "compose.yml"  # docker compose with a task of the user's (docs/containers.md)
 
 
 def _interpolate(value, env: dict[str, str]):
@@ -86,8 +87,9 @@ def compose_cli() -> list[str]:
     return ["docker-compose"]
 
 
-def test_compose_file_validates_against_the_compose_spec():
-    proc = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+@pytest.mark.parametrize("path", [COMPOSE, TASK_OVERRIDE], ids=lambda p: p.name)
+def test_compose_file_validates_against_the_compose_spec(path):
+    proc = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -101,6 +103,26 @@ def test_compose_v1_and_v2_read_the_file():
     services = yaml.safe_load(proc.stdout)["services"]
     profiles = {n: s["profiles"] for n, s in _compose()["services"].items()}
     assert {n: s["profiles"] for n, s in services.items()} == profiles
+
+
+def test_the_task_override_mounts_tasks_on_every_node_and_changes_nothing_else():
+    """tasks/compose.yml over docker-compose.yml, as Compose itself merges them: every node (gpu and cpu) gets
+    tasks/ read-only at the image's tasks/ and the same command, tasks/my.yaml; the rest is the base file's."""
+    def config(*files: Path) -> dict:
+        cli = [*compose_cli(), "-p", "ddp-template", *(a for f in files for a in ("-f", str(f)))]
+        proc = subprocess.run([*cli, "--profile", "cpu", "--profile", "gpu", "config"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "TASKS"})
+        assert proc.returncode == 0, proc.stderr
+        return yaml.safe_load(proc.stdout)["services"]
+
+    base, merged = config(COMPOSE), config(COMPOSE, TASK_OVERRIDE)
+    assert set(yaml.safe_load(TASK_OVERRIDE.read_text())["services"]) == set(base), "a node left without the task"
+    for name, s in merged.items():
+        assert s["command"] == ["--config", "tasks/my.yaml", "run.dir=/runs/compose"], (name, s["command"])
+        assert f"{ROOT / 'tasks'}:{TASKS_IN_IMAGE}:ro" in s["volumes"], (name, s["volumes"])
+        assert set(s["volumes"]) - set(base[name]["volumes"]) == {f"{ROOT / 'tasks'}:{TASKS_IN_IMAGE}:ro"}, name
+        assert {k: v for k, v in s.items() if k not in ("command", "volumes")} == \
+               {k: v for k, v in base[name].items() if k not in ("command", "volumes")}, name
 
 
 def _profile(name: str) -> dict[str, dict]:
@@ -143,17 +165,32 @@ def test_compose_topology():
 
 # ---------------------------------------------------------------------------------- compose, for real
 
+def my_config(*overrides: str) -> dict:
+    """configs/default.yaml with key=value overrides applied: what a user writes into tasks/my.yaml."""
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    for o in overrides:
+        key, _, value = o.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return cfg
+
+
 class Project:
-    """The compose file's cpu profile as a project of its own, the nodes' command + a short training."""
+    """The compose file's cpu profile as a project of its own, with a user's task as tasks/compose.yml (the
+    override docs/containers.md shows) brings it: a tasks folder holding tests/small_task.py and my.yaml (the
+    nodes' config, configs/default.yaml + a short training), mounted read-only on every node."""
 
     def __init__(self, tmp: Path, tag: str, *overrides: str):
         self.name = f"ddp-test-{uuid.uuid4().hex[:8]}"
-        command = [*_profile("cpu")["cpu-node0"]["command"], *overrides]
-        override = tmp / "compose.override.yml"
-        override.write_text(yaml.safe_dump({"services": {n: {"command": command, "volumes": [SMALL_TASK_VOLUME]}
-                                                         for n in _profile("cpu")}}))
-        self.cli = [*compose_cli(), "-p", self.name, "-f", str(COMPOSE), "-f", str(override), "--profile", "cpu"]
-        self.env = {**os.environ, "IMAGE": tag}
+        tasks = tmp / "tasks"
+        tasks.mkdir()
+        shutil.copy(ROOT / "tests" / "small_task.py", tasks)
+        (tasks / "my.yaml").write_text(yaml.safe_dump(my_config(*overrides)))
+        self.cli = [*compose_cli(), "-p", self.name, "-f", str(COMPOSE), "-f", str(TASK_OVERRIDE), "--profile", "cpu"]
+        self.env = {**os.environ, "IMAGE": tag, "TASKS": str(tasks)}
 
     def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         proc = subprocess.run([*self.cli, *args], cwd=ROOT, env=self.env, capture_output=True, text=True,

@@ -7,13 +7,15 @@ nodes: tests/test_compose.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import engine
-from tests.conftest import PACED, assert_same_training, latest_state, summary
+from tests.conftest import PACED, ROOT, assert_same_training, latest_state, summary
 from tests.engine import RUN_FLAGS, SMALL_TASK, SMALL_TASK_MOUNT, docker, logs, state, volume_path
 from tests.procs import logged_steps, wait_for
 
@@ -90,6 +92,37 @@ def test_the_example_user_task_trains_in_the_image(image, volume):
            "log.wandb.mode=disabled", "log.report=false", "run.dir=/runs/ex", timeout=600)
     s = summary(volume_path(volume) / "ex")
     assert s["steps"] == 40 and s["world_size"] == 2 and s["ranks_in_sync"] and "eval_mae" in s, s
+
+
+def _tasks_in(tag: str) -> list[str]:
+    """What the image holds in its tasks/ folder."""
+    probe = "import os; print(*sorted(os.listdir('tasks')))"
+    return docker("run", "--rm", *RUN_FLAGS, "--entrypoint", "python", tag, "-c", probe, timeout=300).stdout.split()
+
+
+def test_an_image_built_from_the_template_trains_the_task_it_copies(image, volume, tmp_path):
+    """tasks/Dockerfile as docs/containers.md builds it (`docker build -t my-task:1 tasks`): a tasks folder with a
+    task (examples/regression.py as my_task.py) and its config, one layer on the template's image; its CMD trains
+    tasks/my.yaml, the data set unpickled by a loader worker per rank. The template's own image has the project's
+    tasks/ (make docker-build copies it), the build files left out by .dockerignore in either."""
+    assert _tasks_in(image) == ["README.md"]
+    tasks = tmp_path / "tasks"
+    shutil.copytree(ROOT / "tasks", tasks)
+    shutil.copy(ROOT / "examples" / "regression.py", tasks / "my_task.py")
+    cfg = yaml.safe_load((ROOT / "examples" / "regression.yaml").read_text())
+    cfg["task"]["name"] = "tasks/my_task.py:Regression"
+    cfg["train"].update(steps=4, log_every=1)
+    cfg.update(run={"dir": "/runs/mine"}, log={"wandb": {"mode": "disabled"}, "report": False})
+    (tasks / "my.yaml").write_text(yaml.safe_dump(cfg))
+    tag = f"ddp-test-my-task:{uuid.uuid4().hex[:8]}"
+    try:
+        docker("build", "-q", "--build-arg", f"BASE={image}", "-t", tag, str(tasks), timeout=300)
+        assert _tasks_in(tag) == ["README.md", "my.yaml", "my_task.py"]
+        docker("run", "--rm", *RUN_FLAGS, "-e", "NPROC_PER_NODE=2", "-v", f"{volume}:/runs", tag, timeout=600)
+    finally:
+        docker("rmi", "-f", tag, check=False)
+    s = summary(volume_path(volume) / "mine")
+    assert s["steps"] == 4 and s["world_size"] == 2 and s["ranks_in_sync"], s
 
 
 # The image's language model at its smallest (34k parameters, windows of 32 tokens): half the kernels and half the

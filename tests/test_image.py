@@ -7,10 +7,14 @@ tests/test_compose.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
+
+import pytest
 
 from tests import engine
 from tests.conftest import RESNET as TINY  # the image holds no tests/: the built-in model, at TINY's sizes
@@ -30,9 +34,20 @@ def _requirements(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- Dockerfile
 
-def test_dockerfile_passes_hadolint():
-    proc = subprocess.run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("path", ["Dockerfile", "tasks/Dockerfile"])
+def test_dockerfile_passes_hadolint(path):
+    proc = subprocess.run([tool("hadolint"), "--no-color", path], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_task_dockerfile_builds_on_the_tag_make_builds_and_trains_tasks_my_yaml():
+    """tasks/Dockerfile (an image of the user's, FROM the template's): its default base is the tag `make
+    docker-build` makes, it copies its folder to the template's tasks/, and its CMD trains tasks/my.yaml."""
+    steps = dockerfile_instructions(ROOT / "tasks" / "Dockerfile")
+    assert ("ARG", f"BASE=ddp-template:{VERSION}") in steps and steps[1] == ("FROM", "${BASE}"), steps
+    assert ("COPY", f". {workdir()}/tasks/") in steps, "into the template's WORKDIR's tasks/"
+    assert json.loads(dict(steps)["CMD"]) == ["--config", "tasks/my.yaml"]
+    assert not {"ENTRYPOINT", "USER", "WORKDIR"} & set(dict(steps)), "the template's entrypoint, user and folder"
 
 
 REQUIREMENTS = ("requirements.txt", "requirements-hf.txt")  # what the image installs: the runtime, the HF trio
@@ -111,6 +126,31 @@ def test_image_conventions():
     assert {"org.opencontainers.image.version", "org.opencontainers.image.source"} <= labels.keys()
     args = dict(re.findall(r"^(\w+)=(\S+)$", "\n".join(rest for word, rest in final if word == "ARG"), re.M))
     assert args.get("VERSION") == VERSION, "the image's version label defaults to pyproject's version"
+
+
+def test_make_docker_build_refuses_a_config_whose_task_file_the_image_leaves_out(tmp_path):
+    """A config in tasks/ (or configs/) naming my_task.py at the project root: `make docker-build` stops in one
+    line before it builds, naming the config, the file and tasks/; with the file in tasks/ the check passes."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "tasks").mkdir()
+    shutil.copy(ROOT / "examples" / "regression.py", tmp_path / "my_task.py")
+    (tmp_path / "tasks" / "my.yaml").write_text("task:\n  name: my_task.py:Regression  # the README's step 1\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("IMAGE", "MAKEFLAGS")}
+    proc = subprocess.run(["make", "docker-build"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: tasks/my.yaml: task.name names my_task.py, which the image leaves out (.dockerignore "
+                      "is an allow-list): move it to tasks/ and name it tasks/my_task.py"], proc.stderr
+    assert "docker build" not in proc.stdout, "it built anyway"
+    (tmp_path / "my_task.py").rename(tmp_path / "tasks" / "my_task.py")
+    (tmp_path / "tasks" / "my.yaml").write_text("task:\n  name: tasks/my_task.py:Regression\n")
+    proc = subprocess.run(["make", "docker-context-check"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # The project's own configs pass it (the image the tests build went through it).
+    assert subprocess.run(["make", "docker-context-check"], cwd=ROOT, env=env, timeout=60).returncode == 0
 
 
 def test_dockerignore_sends_only_what_the_image_copies():

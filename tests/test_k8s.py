@@ -288,7 +288,7 @@ def pod_mounts(pod: dict, c: dict, pod_dir: Path, tmp: Path, claims: dict[str, P
     """The container's volumes as local folders, by mount path: ConfigMaps (from `folder`'s objects)
     written out, emptyDirs under pod_dir, one folder per PVC shared by all pods (claims)."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    mounts = {}
+    mounts, written = {}, []
     for m in c.get("volumeMounts", []):
         v = volumes[m["name"]]
         if "persistentVolumeClaim" in v:
@@ -299,6 +299,7 @@ def pod_mounts(pod: dict, c: dict, pod_dir: Path, tmp: Path, claims: dict[str, P
             path = pod_dir / "volumes" / m["name"]
             path.mkdir(parents=True, exist_ok=True)
             for key, text in _find("ConfigMap", v["configMap"]["name"], folder)["data"].items():
+                written.append(path / key)
                 (path / key).write_text(text)
         elif "emptyDir" in v:
             path = pod_dir / "volumes" / m["name"]
@@ -307,14 +308,18 @@ def pod_mounts(pod: dict, c: dict, pod_dir: Path, tmp: Path, claims: dict[str, P
         if m["mountPath"] != "/dev/shm":  # the host's /dev/shm stands in for the memory emptyDir
             mounts[m["mountPath"]] = path
         path.mkdir(parents=True, exist_ok=True)
+    for file in written:  # container paths in a ConfigMap's files (a config naming a task file mounted beside it)
+        file.write_text(map_paths(file.read_text(), mounts))
     return mounts
 
 
-def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False) -> tuple[list[Node], dict[str, Path]]:
+def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False, folder: Path = K8S,
+                  extra: list[str] | None = None) -> tuple[list[Node], dict[str, Path]]:
     """Each replica of the job as a process: its command, its container env + the operator's env, its
-    volumes as folders (ConfigMaps written out, one folder per PVC shared by all pods). On real hosts (one
-    per pod, named as its pod) the Services' names and ports are used as they are; otherwise each name
-    is mapped to 127.0.0.1 and a free port per pod."""
+    volumes as folders (ConfigMaps from `folder`'s objects written out, one folder per PVC shared by all pods),
+    then `extra` arguments (by default the tiny CPU overrides). On real hosts (one per pod, named as its pod)
+    the Services' names and ports are used as they are; otherwise each name is mapped to 127.0.0.1 and a free
+    port per pod."""
     name = job["metadata"]["name"]
     pods = [(rt, i) for rt in ("Master", "Worker") if rt in job["spec"]["pytorchReplicaSpecs"]
             for i in range(job["spec"]["pytorchReplicaSpecs"][rt].get("replicas", 1))]
@@ -331,11 +336,12 @@ def replica_nodes(job: dict, tmp: Path, real_hosts: bool = False) -> tuple[list[
     for rt, i in pods:
         replica = job["spec"]["pytorchReplicaSpecs"][rt]
         c = _container(replica)
-        mounts = pod_mounts(replica["template"]["spec"], c, tmp / f"{rt.lower()}-{i}", tmp, claims)
+        mounts = pod_mounts(replica["template"]["spec"], c, tmp / f"{rt.lower()}-{i}", tmp, claims, folder)
         env = dict(container_env(c, secrets={}))
         env.update(operator_env(job, rt, i, address))  # appended after the container's: it wins
         argv = local_argv([map_paths(a, mounts) for a in pod_argv(c)])
-        nodes.append(Node(f"{rt.lower()}-{i}", tiny(argv), clean_env(**env), tmp / f"{rt.lower()}-{i}.log"))
+        argv = tiny(argv) if extra is None else [*argv, *extra]
+        nodes.append(Node(f"{rt.lower()}-{i}", argv, clean_env(**env), tmp / f"{rt.lower()}-{i}.log"))
     return nodes, claims
 
 
@@ -385,6 +391,90 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
     assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s
+
+
+# ------------------------------------------------------------------------- your own task
+
+# Every `image:` of the manifests, by where it is (docs/kubernetes.md, "Your own task", names each): an image of
+# the user's goes into all of them. The TrainJob has two, its own (which wins) and its runtime's container's.
+IMAGE_FIELDS = {
+    "k8s/pytorchjob.yaml": ["spec.pytorchReplicaSpecs.Worker.template.spec.containers[pytorch].image"],
+    "k8s/trainjob/trainjob.yaml": ["spec.trainer.image"],
+    "k8s/trainjob/runtime.yaml": ["spec.template.spec.replicatedJobs[node].template.spec.template.spec"
+                                  ".containers[node].image"],
+}
+
+
+def _image_fields(value, where: str = "") -> list[tuple[str, str]]:
+    """(path, value) of every `image` key, list items by their name."""
+    if isinstance(value, dict):
+        return [found for k, v in value.items()
+                for found in ([(f"{where}.{k}".lstrip("."), v)] if k == "image" else
+                              _image_fields(v, f"{where}.{k}".lstrip(".")))]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value)
+                for found in _image_fields(v, f"{where}[{v.get('name', i) if isinstance(v, dict) else i}]")]
+    return []
+
+
+def test_every_image_field_of_the_manifests_is_named_in_the_docs_and_holds_the_tag_make_builds():
+    found = {str(path.relative_to(ROOT)): [] for folder in (K8S, TRAINJOB_DIR) for path, _ in _objects(folder)}
+    for folder in (K8S, TRAINJOB_DIR):
+        for path, doc in _objects(folder):
+            for where, image in _image_fields(doc):
+                found[str(path.relative_to(ROOT))].append(where)
+                assert image == f"ddp-template:{VERSION}", (path, where, image)
+    assert {k: v for k, v in found.items() if v} == IMAGE_FIELDS
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    section = docs[docs.index("## Your own task"):].split("\n## ")[0]
+    for path in IMAGE_FIELDS:
+        assert path in section, f"docs/kubernetes.md, Your own task: names no image field of {path}"
+    assert "spec.trainer.image" in section and "runtime.yaml" in section, section
+
+
+def test_a_task_file_in_the_configmap_trains_in_the_pods(tmp_path):
+    """docs/kubernetes.md's ConfigMap form: `kubectl create configmap` from a task file (examples/regression.py
+    as my_task.py) and its config, whose task.name is that file where both jobs mount the ConfigMap; the
+    ConfigMap validates as Kubernetes would and replaces k8s/configmap.yaml; then the PyTorchJob's two pods
+    train the task, with the operator's environment and the loader workers unpickling its data sets."""
+    if not shutil.which("kubectl"):
+        required("kubectl", "not installed")
+    job, (trainjob_pod, trainjob_c) = _job(), trainer_pod(_trainjob(), _runtime())
+    c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
+    pods = (job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], trainjob_pod)
+    for pod, container in zip(pods, (c, trainjob_c), strict=True):  # both jobs mount ddp-template-config at one folder
+        volume = next(m for m in container["volumeMounts"] if m["mountPath"] == mount)["name"]
+        assert next(v for v in pod["volumes"] if v["name"] == volume)["configMap"]["name"] == "ddp-template-config"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copy(ROOT / "examples" / "regression.py", tasks / "my_task.py")
+    cfg = yaml.safe_load((ROOT / "examples" / "regression.yaml").read_text())
+    cfg["task"]["name"] = f"{mount}/my_task.py:Regression"
+    cfg["train"].update(steps=4, log_every=1)
+    cfg.update(log={"wandb": {"mode": "disabled"}, "report": False})
+    (tasks / "my.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(["kubectl", "create", "configmap", "ddp-template-config",
+                           "--from-file=train.yaml=tasks/my.yaml", "--from-file=tasks/my_task.py",
+                           "--dry-run=client", "-o", "yaml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    configmap = yaml.safe_load(proc.stdout)
+    assert set(configmap["data"]) == {"train.yaml", "my_task.py"}
+    kv = _kubernetes_validate()
+    kv.validate(configmap, kv.latest_version(), strict=True)
+    folder = tmp_path / "k8s"
+    shutil.copytree(K8S, folder, ignore=shutil.ignore_patterns("trainjob"))
+    (folder / "configmap.yaml").write_text(proc.stdout)  # `... -o yaml > k8s/configmap.yaml`, as the page says
+    nodes, claims = replica_nodes(job, tmp_path / "pods", folder=folder, extra=[])
+    results = run_nodes(nodes)
+    for name, (code, log) in results.items():
+        assert code == 0, f"{name} exited {code}\n{log[-4000:]}"
+    run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
+    run = claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs")
+    s = summary(run)
+    assert s["world_size"] == 2 and s["steps"] == 4 and s["ranks_in_sync"], s
+    assert "volumes/config/my_task.py:Regression" in (run / "config.yaml").read_text()
 
 
 # ------------------------------------------------------------------------- an unwritable run volume

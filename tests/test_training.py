@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import GROUPNORM, TINY, assert_trained_alike, latest_state, run_train, summary
+from tests.conftest import GROUPNORM, TINY, after_import, assert_trained_alike, latest_state, run_train, summary
 from train import config
 from train.parallel import data
 
@@ -153,3 +153,120 @@ def test_gpu_ddp_matches_single_process(tmp_path):
     run_train(one, *GROUPNORM, "train.tf32=false", "train.micro_batch_size=16")
     run_train(two, *GROUPNORM, "train.tf32=false", nproc=2)
     assert_trained_alike(latest_state(one)["model"], latest_state(two)["model"], rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------- no wait for the device in a quiet step
+
+# A patch of train/trainer.py in every rank (conftest.after_import): each read of a tensor's value by the template's
+# own code (a call from a file under train/), which on a GPU waits for the device to finish all the work queued
+# before it, is written to $READS_DIR/rank<R>.jsonl with the step it falls in (from one train_step to the next).
+# (.numpy() is no such read: it refuses a GPU tensor.)
+# So is a tensor made from Python numbers on a device (torch.tensor(..., device=...): a blocking copy from the
+# host on a GPU) and torch.cuda.synchronize. The data pipeline works on host tensors by design (the loader, its
+# sampler): reads under it are not counted.
+COUNT_READS = """
+import json, os, sys
+from pathlib import Path
+import torch
+TRAIN = str(Path(module.__file__).parent) + os.sep
+HOST = (os.sep + os.path.join("torch", "utils", "data") + os.sep, os.path.join(TRAIN, "parallel", "data.py"))
+out = Path(os.environ["READS_DIR"]) / f"rank{os.environ.get('RANK', '0')}.jsonl"
+step = [0]
+def template_caller():
+    f = sys._getframe(3)  # template_caller <- record <- the patched function <- its caller
+    if not f.f_code.co_filename.startswith(TRAIN):
+        return None
+    g = f
+    while g is not None:
+        if any(h in g.f_code.co_filename for h in HOST):
+            return None
+        g = g.f_back
+    return f"train/{os.path.relpath(f.f_code.co_filename, TRAIN)}:{f.f_lineno}"
+def record(name):
+    if (where := template_caller()) is not None:
+        with out.open("a") as fh:
+            fh.write(json.dumps({"step": step[0], "read": f"{where} {name}"}) + "\\n")
+def counted(name, real, when=lambda a, k: True):
+    def read(*a, **k):
+        if when(a, k):
+            record(name)
+        return real(*a, **k)
+    return read
+for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__index__"):
+    setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+torch.tensor = counted("torch.tensor(device=)", torch.tensor, lambda a, k: k.get("device") is not None)
+torch.cuda.synchronize = counted("torch.cuda.synchronize", torch.cuda.synchronize)
+real_step = module.train_step
+def train_step(parts, *a, **k):
+    step[0] = parts.step + 1
+    return real_step(parts, *a, **k)
+module.train_step = train_step
+"""
+STEPS, LOG_EVERY, EVAL_EVERY, SAVE_EVERY = 12, 4, 6, 5
+
+
+def _quiet(step: int) -> bool:
+    """A step that logs, evaluates and saves nothing, and does not follow a save (a stop there ends with it)."""
+    return (step % LOG_EVERY and step % EVAL_EVERY and step % SAVE_EVERY and step != STEPS
+            and not (step > SAVE_EVERY and (step - 1) % SAVE_EVERY == 0))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_step_that_logs_evaluates_and_saves_nothing_waits_for_no_device_work(tmp_path, strategy):
+    """On a GPU the host queues a step's work and goes on to the next step's without waiting for the device:
+    no read of a tensor's value by the template's own code (its loss sum, the stop agreement) in a step that
+    logs, evaluates and saves nothing, 2 ranks of 2 micro-batches each (counted by a patch in each rank:
+    COUNT_READS). The steps that do log, evaluate or save read, as they must: the count sees them."""
+    (reads := tmp_path / "reads").mkdir()
+    env = after_import(tmp_path, "train.trainer", COUNT_READS) | {"READS_DIR": str(reads)}
+    run_train(tmp_path / "run", f"dist.strategy={strategy}", "train.micro_batch_size=4", f"train.steps={STEPS}",
+              f"train.log_every={LOG_EVERY}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}",
+              nproc=2, env=env)
+    for rank in (0, 1):
+        lines = [json.loads(line) for line in (reads / f"rank{rank}.jsonl").read_text().splitlines()]
+        quiet = [f"step {r['step']}: {r['read']}" for r in lines if r["step"] and _quiet(r["step"])]
+        assert quiet == [], quiet
+        loud = {r["step"] for r in lines}
+        assert {LOG_EVERY, EVAL_EVERY, SAVE_EVERY, STEPS} <= loud, sorted(loud)
+
+
+# The same on a GPU, by torch's own detector: torch.cuda.set_sync_debug_mode("warn") warns at each operation that
+# makes the host wait for the device; the warnings raised from the template's files (under train/) are recorded
+# with their step, as COUNT_READS does.
+SYNC_WARNINGS = """
+import json, os, warnings
+from pathlib import Path
+import torch
+TRAIN = str(Path(module.__file__).parent) + os.sep
+out = Path(os.environ["READS_DIR"]) / "rank0.jsonl"
+step = [0]
+shown = warnings.showwarning
+def show(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message) and filename.startswith(TRAIN):
+        with out.open("a") as fh:
+            fh.write(json.dumps({"step": step[0], "read": f"{filename}:{lineno}"}) + "\\n")
+    else:
+        shown(message, category, filename, lineno, file, line)
+warnings.showwarning = show
+warnings.filterwarnings("always", message=".*synchroniz")
+real_step = module.train_step
+def train_step(parts, *a, **k):
+    step[0] = parts.step + 1
+    torch.cuda.set_sync_debug_mode("warn")
+    return real_step(parts, *a, **k)
+module.train_step = train_step
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_quiet_step_makes_no_synchronizing_call_of_the_template(tmp_path):
+    (reads := tmp_path / "reads").mkdir()
+    env = after_import(tmp_path, "train.trainer", SYNC_WARNINGS) | {"READS_DIR": str(reads)}
+    run_train(tmp_path / "run", "train.precision=bf16", "train.micro_batch_size=4", f"train.steps={STEPS}",
+              f"train.log_every={LOG_EVERY}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}",
+              env=env, timeout=600)
+    lines = [json.loads(line) for line in (reads / "rank0.jsonl").read_text().splitlines()] \
+        if (reads / "rank0.jsonl").exists() else []
+    quiet = [f"step {r['step']}: {r['read']}" for r in lines if r["step"] and _quiet(r["step"])]
+    assert quiet == [], quiet
+    assert LOG_EVERY in {r["step"] for r in lines}  # the log steps' reads are seen: the detector works

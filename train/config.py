@@ -54,6 +54,7 @@ class OptimConfig:
     weight_decay: float = 5e-4  # not applied to biases and norm weights
     warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps, then cosine decay
     min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
+    fused: Literal["auto", True, False] = "auto"  # fused kernels; auto: where every parameter is on a GPU
 
 
 @dataclass
@@ -191,10 +192,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check one value against its annotated type; ints are accepted for floats, nothing else is."""
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
-        if value not in choices:
-            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        if not any(value == c and type(value) is type(c) for c in choices):  # 1 is not True
+            names = [str(c).lower() if isinstance(c, bool) else str(c) for c in choices]  # as YAML writes them
+            near = difflib.get_close_matches(str(value), names, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(names)}{hint}")
         return value
     if tp is bool:
         if isinstance(value, bool):

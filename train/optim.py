@@ -6,6 +6,7 @@ nothing but the step counter.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,9 +20,34 @@ def build(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # optim.fused: one kernel for all parameters' update (GPUs); otherwise torch's default, foreach kernels on
+    # a GPU and one parameter at a time on the CPU (what CPU runs always did: their numbers are unchanged).
+    fused = cfg.fused if cfg.fused != "auto" else all(p.device.type == "cuda" for p in [*decay, *no_decay])
+    kernels = {"fused": True} if fused else {}
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                               **kernels)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kernels)
+
+
+KERNELS = ("fused", "foreach")  # the kernel choice an optimizer's param_groups hold, and its state dict with them
+
+
+@contextlib.contextmanager
+def own_kernels(optimizer: torch.optim.Optimizer):
+    """Around the load of a state dict saved with other kernels (optim.fused switched, or another GPU): the
+    saved param_groups bring the saved choice, this run's is kept. Each parameter's `step` counter goes where
+    those kernels keep it: on the parameter's device for fused ones, on the host for the others (where a
+    counter on a GPU would cost a read of the device per parameter and step)."""
+    kept = [{k: g.get(k) for k in KERNELS} for g in optimizer.param_groups]
+    yield
+    for group, kernels in zip(optimizer.param_groups, kept, strict=True):
+        group.update(kernels)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(step := state.get("step")):
+                state["step"] = step.to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -179,7 +179,8 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
         meter.step_done()
         step = parts.step
         log.advance(step)
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        logs = step % cfg.train.log_every == 0 or step == cfg.train.steps
+        if logs:
             # The window may have begun before a resume: its sum and length come from the checkpoint.
             loss_sum, n = distributed.all_reduce_sum([parts.window_loss.item(), parts.window_steps], parts.device)
             log.train({"step": step, "epoch": parts.stream.epoch, "loss": loss_sum / n,
@@ -187,8 +188,11 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             parts.window_loss.zero_()
             parts.window_steps = 0
         parts.eval_pending = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
-        # The stop is agreed before any evaluation, so that it never waits for one.
-        if parts.stop.agreed(parts.device):
+        # The stop is agreed before any evaluation, so that it never waits for one. Only where this step waits
+        # for the device anyway (a log, an evaluation, a save) or follows a save (a stop in it ends with that
+        # save) is the agreement waited for; elsewhere the host runs on and the stop lands a step later.
+        now = logs or parts.eval_pending or ckpt.due(step) or ckpt.saved_step == step - 1
+        if parts.stop.agreed(parts.device, now=now):
             return _stop(parts, ckpt)
         if ckpt.due(step):
             with meter.paused():

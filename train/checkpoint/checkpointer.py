@@ -351,8 +351,9 @@ class Checkpointer:
         try:
             dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
             state = merge(tensors, trainer["rest"])
-            set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            with optim.own_kernels(parts.optimizer):  # optim.fused may differ from the saved run's
+                set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optimizer"])
             for group, mine in zip(parts.optimizer.param_groups, hyper, strict=True):
                 group.update(mine)
         except (Exception, CheckpointException) as e:

@@ -36,15 +36,18 @@ def received() -> str | None:
 
 
 class StopRequest:
-    """A worker's stop: the signal handler only sets a flag; the ranks agree at the next step or evaluation
+    """A worker's stop: the signal handler only sets a flag; the ranks agree at each step or evaluation
     batch (an all-reduce, so nobody waits alone), so a signal that reached one rank (one node's kubelet, one
     srun task) stops them all at the same step. A second signal changes nothing: the save it asked for is
-    already coming."""
+    already coming. At a step that logs, evaluates and saves nothing the agreement costs no wait for the
+    device (`agreed(now=False)`): the stop lands a step later."""
 
     def __init__(self, extra_signal: str):
         self.extra_signal = extra_signal  # checkpoint.signal
         self.signal: str | None = None  # the signal this rank received, if any
         self.stopping = False  # all ranks agreed to stop: the next save is the last
+        self._pending = None  # the agreement started and not read yet: (all-reduce, CUDA event or None, flag)
+        self._host = self._view = None  # the flag on the host: a CPU tensor (pinned on a GPU), a numpy view of it
 
     def install(self) -> None:
         def request_stop(signum, frame):
@@ -57,14 +60,55 @@ class StopRequest:
                 continue  # started under nohup
             signal.signal(sig, request_stop)
 
-    def agreed(self, device) -> bool:
-        """Whether any rank got a stop signal (every rank calls it at the same points)."""
+    def agreed(self, device, now: bool = True) -> bool:
+        """Whether the ranks agreed to stop (every rank calls it at the same points with the same `now`).
+
+        now: a fresh all-reduce of every rank's flag, waited for (a log, evaluation or save step, where the
+        host waits for the device anyway). Otherwise, no wait for this step's work: the answer is that of the
+        all-reduce the previous call started (complete by now, or nearly: it was queued behind the previous
+        step), and a new one starts for the next call. Every rank reads the same all-reduce at the same call,
+        so all stop at the same step, one step later than a fresh agreement would."""
         if self.stopping:
             return True
+        stop = self._settle()
+        if not stop and now:
+            self._start(device)
+            stop = self._settle()
+        elif not stop:
+            self._start(device)
+        self.stopping = stop
+        return stop
+
+    def _start(self, device) -> None:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.signal else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stopping = bool(flag.item())
-        return self.stopping
+        cuda = device.type == "cuda"
+        if self._host is None:
+            self._host = torch.zeros(1, dtype=torch.float32, pin_memory=cuda)
+            self._view = self._host.numpy()
+        value = 1.0 if self.signal else 0.0
+        if not cuda:  # gloo reduces host memory: the flag is read where it lands
+            self._view[0] = value
+            self._pending = (dist.all_reduce(self._host, op=dist.ReduceOp.MAX, async_op=True), None, None)
+            return
+        flag = torch.full((1,), value, dtype=torch.float32, device=device)  # a fill, not a copy from the host
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        work.wait()  # the current stream waits for the all-reduce; the host does not
+        self._host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (work, done, flag)
+
+    def _settle(self) -> bool:
+        """The answer of the started agreement, if any: waits for it (on a GPU: for the copy of its result
+        to the host, queued behind the step it followed), then reads host memory."""
+        if self._pending is None:
+            return False
+        work, done, _flag = self._pending
+        self._pending = None
+        if done is None:
+            work.wait()
+        else:
+            done.synchronize()
+        return bool(self._view[0] > 0)

@@ -1,0 +1,454 @@
+"""One prepared check of a GPU machine, in minutes: `make gpu-check OUT=dir` (`SMOKE=1`: the same stages at toy sizes
+on the CPU, seconds each, so the script is known to work before a GPU is there).
+
+    python bench/gpu_check.py OUT_DIR [--smoke] [--budget-s 300]
+
+Stages, in order of value; each writes OUT_DIR/gpu_check.json again as soon as it ends, so a run cut short keeps what
+it measured (a stage that fails records its error and the next one runs):
+  tests         the gpu-marked tests (pytest -m gpu)
+  gpt           GPT-2 124M, 16 x 1024 tokens, bf16, compile: `python -m train` against a bare loop of the same model
+                and optimizer (train/optim.py's AdamW) in the same run; tokens/s, MFU, peak memory
+  stop_relaunch a run stopped by SIGTERM and relaunched equals one that never stopped, bit for bit, on the device,
+                under DDP and FSDP, with an asynchronous save at every step (several in a row)
+  hf            the Hugging Face task: a tiny Llama made here (transformers), FSDP, bf16, task.init_from; a stop and a
+                relaunch with the losses of a run that never stopped; exported and reloaded by transformers
+  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's
+  resnet50      ResNet-50, 224 px, bf16, channels_last through `python -m train`, without and with compile
+  imagefolder   an ImageFolder of JPEGs made at start, through `python -m train` with the machine's cores: data wait
+                and images/s against the GPU's (the resnet50 stage's)
+  memory        the peak memory of each run above
+Nothing is installed: it runs on the machine's own torch (2.11 or newer); a stage whose package is missing (pytest,
+transformers) says so and is skipped. `python bench/run_all.py --gpu-json OUT_DIR/gpu_check.json` puts the figures in
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+LAUNCH = [PY, "-m", "train.launch", "--nproc-per-node=1", "--"]  # torchrun, one rank; a SIGTERM is a stop (75)
+QUIET = ["log.wandb.mode=disabled", "log.report=false", "log.progress_bar=never"]
+
+
+class Check:
+    """The figures of every stage so far, written to OUT_DIR/gpu_check.json after each."""
+
+    def __init__(self, out: Path, smoke: bool, budget_s: float):
+        self.out, self.smoke, self.deadline = out, smoke, time.monotonic() + budget_s
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "gpu_check.json"
+        self.figures: dict = {"machine": machine(), "smoke": smoke, "stages": {}}
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.figures, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def stage(self, name: str, fn) -> None:
+        t = time.monotonic()
+        if self.left_s() <= 0:
+            result = {"skipped": "out of time (--budget-s)"}
+        else:
+            print(f"== {name}", flush=True)
+            try:
+                result = fn(self, self.out / name)
+            except Skip as e:
+                result = {"skipped": str(e)}
+            except Exception as e:  # recorded; the next stage runs
+                result = {"error": f"{type(e).__name__}: {e}"[-2000:], "traceback": traceback.format_exc()[-4000:]}
+        result["seconds"] = round(time.monotonic() - t, 1)
+        self.figures["stages"][name] = result
+        self.write()
+        print(f"   {name}: {json.dumps({k: v for k, v in result.items() if k != 'traceback'})[:600]}", flush=True)
+
+
+class Skip(Exception):
+    """A stage that cannot run here (a package missing, no second GPU): said in the JSON."""
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cpus": os.cpu_count(), "host": platform.node()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            q = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                               text=True)
+            info["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+    else:
+        info["gpu"] = "none (CPU)"
+    return info
+
+
+def env(**extra: str) -> dict:
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    # deterministic cuBLAS for the bitwise stages (torch.use_deterministic_algorithms asks for it)
+    return out | {"PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} | extra
+
+
+def run(cmd: list[str], timeout: float, expect: int = 0, **extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=max(timeout, 10))
+    if proc.returncode != expect:
+        raise RuntimeError(f"exit {proc.returncode} (expected {expect}): {' '.join(cmd[1:8])} ...\n"
+                           f"{proc.stderr[-1500:]}")
+    return proc
+
+
+def train(run_dir: Path, config: str, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """python -m train to the end."""
+    return run([PY, "-m", "train", "--config", config, f"run.dir={run_dir}", *QUIET, *overrides], timeout)
+
+
+def windows(run_dir: Path, skip: int = 1) -> list[dict]:
+    """The training lines of metrics.jsonl after the first `skip` (compilation, warm-up)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "loss" in r][skip:]
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------- stages
+
+def stage_tests(check: Check, out: Path) -> dict:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        raise Skip("pytest is not installed here") from None
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "junit.xml"
+    proc = subprocess.run([PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                           *files], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=max(check.left_s(), 30))
+    import xml.etree.ElementTree as ET
+
+    cases = {}
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            verdict = "passed"
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    verdict = child.tag + (f": {child.get('message', '')[:200]}" if child.tag != "skipped"
+                                           else f" ({child.get('message', '')[:100]})")
+            cases[case.get("name")] = {"verdict": verdict, "seconds": float(case.get("time", 0))}
+    return {"exit": proc.returncode, "tests": cases, "tail": proc.stdout[-800:] if proc.returncode else ""}
+
+
+def stage_gpt(check: Check, out: Path) -> dict:
+    smoke = check.smoke
+    steps, every = (4, 2) if smoke else (60, 10)
+    size = ["task.model=nano", "task.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=2",
+            "train.precision=fp32"] if smoke else \
+        ["task.model=gpt2", "task.seq_len=1024", "task.vocab_size=50304", "task.train_tokens=4000000",
+         "train.global_batch_size=16", "train.micro_batch_size=16", "train.precision=bf16", "train.compile=true"]
+    common = [*size, f"train.steps={steps}", f"train.log_every={every}", "train.eval_every=0", "checkpoint.every=0",
+              "task.eval_tokens=65536" if not smoke else "task.eval_tokens=4096"]
+    train(out / "trainer", "configs/gpt.yaml", *common, timeout=check.left_s())
+    rows = windows(out / "trainer", skip=2 if not smoke else 1)  # the first windows hold the compilation
+    bare = run([PY, str(ROOT / "bench" / "gpu_check.py"), str(out), "--bare-gpt", json.dumps(common)],
+               check.left_s())
+    fig = json.loads(bare.stdout.strip().splitlines()[-1])
+    trainer = median(rows, "tokens_per_s")
+    result = {"trainer_tokens_per_s": trainer, "trainer_mfu": median(rows, "mfu"),
+              "trainer_peak_gib": max((r.get("peak_mem_gib", 0) for r in rows), default=None),
+              "bare_tokens_per_s": fig["tokens_per_s"], "bare_mfu": fig.get("mfu"),
+              "bare_peak_gib": fig.get("peak_gib"),
+              "windows": [round(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]}
+    if trainer and fig["tokens_per_s"]:
+        result["trainer_over_bare"] = trainer / fig["tokens_per_s"]
+    return result
+
+
+def bare_gpt(overrides: list[str]) -> dict:
+    """A bare loop of the trainer's model, loss and optimizer (train/optim.py's, optim.fused=auto): random tokens
+    already on the device, no loader, no logging, no stop agreement; CUDA events around the timed steps."""
+    import torch
+
+    from train import config, optim
+    from train.parallel import wrapping
+
+    cfg = config.load("configs/gpt.yaml", overrides)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    task = cfg.task_class(cfg.task, 0)
+    net = wrapping.whole_model(task, device, 0)
+    opt = optim.build(cfg.optim, net)
+    step_model = torch.compile(net) if cfg.train.compile else net
+    g = task.gpt_config()
+    batch = cfg.train.micro_batch_size
+    x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=cfg.train.precision != "fp32"):
+            loss = task.loss(step_model, (inp, tgt))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    steps = max(cfg.train.steps // 2, 2)
+    for _ in range(max(steps // 3, 1) if not cuda else 10):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    tokens_s = steps * batch * g.block_size / (time.perf_counter() - t)
+    fig = {"tokens_per_s": tokens_s}
+    if cuda:
+        from train.observe.metrics import peak_flops
+
+        fig["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if peak := peak_flops(torch.cuda.get_device_name(), cfg.train.precision, True):
+            fig["mfu"] = tokens_s / g.block_size * task.flops_per_sample(net) / peak
+    return fig
+
+
+def _stopped_and_relaunched(check: Check, run_dir: Path, cmd: list[str], stop_after: int) -> int:
+    """Launch, SIGTERM once metrics.jsonl logs `stop_after`, expect 75; relaunch to the end. The stop's step."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + check.left_s()
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(x).get("step", 0) >= stop_after and "loss" in json.loads(x)
+                                    for x in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=max(check.left_s(), 60))
+    if proc.returncode != 75:
+        raise RuntimeError(f"the stopped run exited {proc.returncode}, not 75:\n{err[-1500:]}")
+    stopped = json.loads((run_dir / "STOPPED").read_text())["step"]
+    run(cmd, check.left_s())
+    return stopped
+
+
+def _compare(a: Path, b: Path) -> dict:
+    """Whether two runs end with bitwise equal checkpoints (model and optimizer) and equal loss lines."""
+    import torch
+
+    from train.checkpoint.dcp_io import read_state
+
+    def last(d: Path) -> dict:
+        c = d / "checkpoints"
+        return read_state(c / (c / "latest").read_text().strip())
+
+    def losses(d: Path) -> list:
+        return [(r["step"], r["loss"]) for r in windows(d, skip=0)]
+
+    sa, sb = last(a), last(b)
+    differ = [k for part in ("model", "optimizer") for k, v in _flat(sa[part]).items()
+              if torch.is_tensor(v) and not torch.equal(v, _flat(sb[part])[k])]
+    return {"step": sb["step"], "tensors_differ": differ[:5], "losses_equal": losses(a) == losses(b),
+            "equal": not differ and losses(a) == losses(b) and sa["step"] == sb["step"]}
+
+
+def _flat(d, prefix="") -> dict:
+    if isinstance(d, dict):
+        return {k2: v2 for k, v in d.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
+    return {prefix.rstrip("."): d}
+
+
+def stage_stop_relaunch(check: Check, out: Path) -> dict:
+    """DDP and FSDP on one device (torchrun, one rank): the tiny GPT, deterministic kernels, an asynchronous save
+    at every step; stopped at step 4 of 12 and relaunched, against a run that never stopped."""
+    smoke = check.smoke
+    opts = ["task.model=nano" if smoke else "task.model=tiny", "train.steps=12", "train.log_every=1",
+            "checkpoint.every=1", "checkpoint.async=true", "checkpoint.keep=3", "train.deterministic=true",
+            "data.num_workers=0", "train.precision=fp32" if smoke else "train.precision=bf16"]
+    result = {}
+    for strategy in ("ddp", "fsdp"):
+        ref, seg = out / strategy / "ref", out / strategy / "stopped"
+        head = [*LAUNCH, "--config", "configs/gpt.yaml", *QUIET, *opts, f"dist.strategy={strategy}"]
+        run([*head, f"run.dir={ref}"], check.left_s())
+        stopped = _stopped_and_relaunched(check, seg, [*head, f"run.dir={seg}"], 4)
+        saves = len([line for line in (seg / "logs" / "rank0.log").read_text().splitlines() if " INFO saved " in line])
+        result[strategy] = {"stopped_at": stopped, "saves": saves, **_compare(ref, seg)}
+    result["equal"] = all(result[s]["equal"] for s in ("ddp", "fsdp"))
+    return result
+
+
+def stage_hf(check: Check, out: Path) -> dict:
+    """The Hugging Face task as a user fine-tunes: a tiny Llama folder with its tokenizer, shards prepared with it,
+    FSDP, bf16 (fp32 in the smoke), from the folder's weights; stopped and relaunched against a run that never
+    stopped; exported, and loaded by transformers with the trained model's logits."""
+    try:
+        import transformers  # noqa: F401
+
+        from tests import hf_models
+    except ImportError as e:
+        raise Skip(f"{e.name or e} is not installed here (requirements-hf.txt)") from None
+    import random
+
+    import torch
+
+    from train import export, prepare
+
+    out.mkdir(parents=True, exist_ok=True)
+    folder = hf_models.tiny_llama(out / "model")
+    words = hf_models.TEXT.split()
+    rng = random.Random(0)
+    (out / "corpus.txt").write_text(" ".join(rng.choice(words) for _ in range(6000)))
+    if prepare.main([str(out / "corpus.txt"), str(out / "shards"), "--tokenizer", str(folder)]) != 0:
+        raise RuntimeError("python -m train.prepare failed")
+    opts = ["--config", "configs/hf.yaml", *QUIET, f"task.path={folder}", f"task.data={out / 'shards'}",
+            "task.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1",
+            "train.eval_every=4", "train.steps=8", "optim.lr=1e-3", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
+            "checkpoint.every=2", "checkpoint.keep=5", "data.num_workers=0", "train.deterministic=true",
+            "train.precision=fp32" if check.smoke else "train.precision=bf16", "dist.strategy=fsdp"]
+    head = LAUNCH
+    ref, seg = out / "ref", out / "stopped"
+    proc = run([*head, *opts, f"run.dir={ref}"], check.left_s())
+    started = "the first step starts from the weights" in proc.stdout + proc.stderr
+    stopped = _stopped_and_relaunched(check, seg, [*head, *opts, f"run.dir={seg}"], 3)
+    same = _compare(ref, seg)
+    if export.main([str(ref), "--format", "hf"]) != 0:
+        raise RuntimeError("python -m train.export failed")
+    exported = ref / "export" / "step_00000008-hf"
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    theirs = hf_models.logits_of(exported, tokens)
+    before = hf_models.logits_of(folder, tokens)
+    return {"init_from_folder": started, "stopped_at": stopped, "losses_equal": same["losses_equal"],
+            "equal": same["equal"], "export_loads": bool(torch.isfinite(theirs).all()),
+            "export_moved_from_folder": not torch.allclose(theirs, before, atol=1e-3)}
+
+
+def stage_fsdp_vs_ddp(check: Check, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "bench" / "gpu.py"),
+           "--lm", "--json", str(out / "lm.json"), *(["--smoke"] if check.smoke else ["--compile", "--steps", "20"])]
+    run(cmd, check.left_s())
+    return json.loads((out / "lm.json").read_text())
+
+
+def _image_run(check: Check, run_dir: Path, *overrides: str) -> dict:
+    smoke = check.smoke
+    size = ["task.model=resnet18", "task.image_size=16", "train.global_batch_size=4", "train.micro_batch_size=4",
+            "train.steps=4", "train.log_every=1", "train.precision=fp32"] if smoke else \
+        ["task.model=resnet50", "task.image_size=224", "task.num_classes=1000", "train.global_batch_size=256",
+         "train.micro_batch_size=256", "train.steps=50", "train.log_every=10", "train.precision=bf16"]
+    train(run_dir, "configs/default.yaml", *size, "train.channels_last=true", "train.eval_every=0",
+          "checkpoint.every=0", "task.eval_samples=64" if smoke else "task.eval_samples=512",
+          "task.train_samples=64" if smoke else "task.train_samples=4096", *overrides, timeout=check.left_s())
+    rows = windows(run_dir, skip=1 if smoke else 2)
+    return {"images_per_s": median(rows, "samples_per_s"), "data_wait_share": median(rows, "data_wait_share"),
+            "peak_gib": max((r.get("peak_mem_gib", 0) for r in rows), default=None)}
+
+
+def stage_resnet50(check: Check, out: Path) -> dict:
+    workers = f"data.num_workers={max(1, (os.cpu_count() or 2) - 1)}"
+    # (the smoke's "compile" run is eager too: compiling on a CPU takes a minute, and the smoke checks the script)
+    return {"eager": _image_run(check, out / "eager", workers),
+            "compile": _image_run(check, out / "compile", workers, f"train.compile={not check.smoke}".lower())}
+
+
+def stage_imagefolder(check: Check, out: Path) -> dict:
+    """JPEGs of 256 px (32 px in the smoke), decoded, cropped and flipped by the loader workers: one per core."""
+    import numpy as np
+    from PIL import Image
+
+    per_class, classes, size = (4, 2, 32) if check.smoke else (200, 10, 256)
+    root = out / "images"
+    rng = np.random.default_rng(0)
+    t = time.monotonic()
+    for split, n in (("train", per_class), ("val", max(2, per_class // 8))):
+        for c in range(classes):
+            (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
+                    root / split / f"class{c}" / f"{i}.jpg", quality=90)
+    made = time.monotonic() - t
+    workers = max(1, (os.cpu_count() or 2) - 1)
+    fig = _image_run(check, out / "run", "task.data=imagefolder", f"task.path={root}", f"data.num_workers={workers}",
+                     *(["train.steps=30"] if not check.smoke else []))
+    gpu = (check.figures["stages"].get("resnet50", {}).get("eager") or {}).get("images_per_s")
+    return {"jpegs": per_class * classes, "made_s": round(made, 1), "workers": workers, **fig,
+            **({"over_synthetic": fig["images_per_s"] / gpu} if gpu and fig["images_per_s"] else {})}
+
+
+def stage_memory(check: Check, out: Path) -> dict:
+    peaks = {}
+    for name, stage in check.figures["stages"].items():
+        for key, v in _flat(stage).items():
+            if key.endswith(("peak_gib", "peak_gib_per_gpu")) and isinstance(v, (int, float)):
+                peaks[f"{name}.{key}"] = v
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        peaks["device_total_gib"] = total / 2**30
+    return peaks
+
+
+STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_stop_relaunch), ("hf", stage_hf),
+          ("fsdp_vs_ddp", stage_fsdp_vs_ddp), ("resnet50", stage_resnet50), ("imagefolder", stage_imagefolder),
+          ("memory", stage_memory)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="the folder for gpu_check.json and each stage's runs")
+    p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: a check of this script")
+    p.add_argument("--budget-s", type=float, default=300, help="stages that would start after this are skipped")
+    p.add_argument("--only", help="comma-separated stages to run (default: all, in order)")
+    p.add_argument("--bare-gpt", help=argparse.SUPPRESS)  # the bare loop, in a process of its own (stage_gpt)
+    args = p.parse_args(argv)
+    if args.bare_gpt:
+        print(json.dumps(bare_gpt(json.loads(args.bare_gpt))))
+        return 0
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("error: no CUDA GPU here: run it on a GPU machine, or with --smoke (SMOKE=1) for a CPU check of the "
+              "script", file=sys.stderr)
+        return 2
+    only = set(args.only.split(",")) if args.only else None
+    if only and (unknown := only - {n for n, _ in STAGES}):
+        print(f"error: --only: no stage {', '.join(sorted(unknown))} (stages: {', '.join(n for n, _ in STAGES)})",
+              file=sys.stderr)
+        return 2
+    check = Check(args.out, args.smoke, args.budget_s)
+    for name, fn in STAGES:
+        if only is None or name in only:
+            check.stage(name, fn)
+    print(f"wrote {check.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
