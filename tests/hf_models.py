@@ -11,12 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-hf.txt")
 
 
-def tiny_gpt2(folder: Path, vocab: int = 100, positions: int = 64, seed: int = 0) -> Path:
-    """A GPT2LMHeadModel of 2 layers, 2 heads, width 32: config.json and model.safetensors in `folder`."""
+def tiny_gpt2(folder: Path, vocab: int = 100, positions: int = 64, seed: int = 0, **config: object) -> Path:
+    """A GPT2LMHeadModel of 2 layers, 2 heads, width 32: config.json and model.safetensors in `folder`;
+    `config`: other GPT2Config settings (tie_word_embeddings=False, layer_norm_epsilon=1e-3, ...)."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=positions,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab - 1,
-                                     eos_token_id=vocab - 1)
+                                     eos_token_id=vocab - 1, **config)
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     return folder
 
@@ -29,7 +30,7 @@ def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = False, seed: int = 0,
-               tokenizer: bool = True) -> Path:
+               tokenizer: bool = True, max_shard_size: str | None = None) -> Path:
     """A LlamaForCausalLM of 2 layers, 4 heads (2 key/value heads: grouped-query attention), width 32, MLP 64: its
     weights drawn around transformers' init (the norms away from 1, so that a norm left at its init shows), and,
     with `tokenizer`, a tokenizer.json of at most `vocab` tokens (tiny_tokenizer) beside it, as a real folder has."""
@@ -41,9 +42,26 @@ def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = 
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
         tiny_tokenizer(folder, vocab)
+    return folder
+
+
+def tiny_other(folder: Path, model_type: str, vocab: int = 128, positions: int = 64, seed: int = 0) -> Path:
+    """A model of 2 layers, width 32 of another architecture: gpt_neox (Pythia: transformers renames its embed_out
+    to lm_head as it loads it) or gpt_neo (no sdpa attention in transformers)."""
+    torch.manual_seed(seed)
+    if model_type == "gpt_neox":
+        config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, vocab_size=vocab, max_position_embeddings=positions)
+        model = transformers.GPTNeoXForCausalLM(config)
+    else:
+        config = transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, vocab_size=vocab,
+                                           max_position_embeddings=positions, window_size=16, bos_token_id=0,
+                                           eos_token_id=1, attention_types=[[["global", "local"], 1]])
+        model = transformers.GPTNeoForCausalLM(config)
+    model.save_pretrained(folder)
     return folder
 
 
@@ -73,6 +91,40 @@ def tiny_tokenizer(folder: Path, vocab: int = 128) -> Path:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[1]}))
+    return folder
+
+
+def fp8(folder: Path, scales: bool = True) -> Path:
+    """The model of `folder` as FP8 checkpoints store it: its 2-D weights in float8_e4m3fn, each with the
+    weight_scale_inv it is to be multiplied by, and (with `scales`) the quantization_config that says so."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for key, t in load_file(folder / "model.safetensors").items():
+        if t.dim() == 2:
+            scale = t.abs().max() / 448.0
+            tensors[key] = (t / scale).to(torch.float8_e4m3fn)
+            tensors[key + "_scale_inv"] = scale.reshape(1)
+        else:
+            tensors[key] = t
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if scales:
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None}
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def without_prefix(folder: Path, prefix: str = "transformer.") -> Path:
+    """The model of `folder` stored as the Hub stores GPT-2 (openai-community/gpt2): the base model's keys without
+    its prefix (wte.weight, h.0.attn.c_attn.weight, ...), the tied lm_head.weight left out."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k.removeprefix(prefix): t for k, t in load_file(folder / "model.safetensors").items()
+               if k != "lm_head.weight"}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 

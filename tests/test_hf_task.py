@@ -50,14 +50,14 @@ def llama(tmp_path_factory) -> tuple[Path, Path]:
     return folder, prepare(folder, root / "shards", text)
 
 
-def task_model(folder: Path, state: dict | None = None):
+def task_model(folder: Path, state: dict | None = None, *overrides: str):
     """The task's model as the trainer makes it on one rank (no process group): built on meta, given its values
     (init_parameter), then the folder's weights (train.checkpoint.pretrained.load), or a checkpoint's `state`."""
     from train import config
     from train.checkpoint import pretrained
     from train.parallel import wrapping
 
-    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", "task.seq_len=32"])
+    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", "task.seq_len=32", *overrides])
     task = cfg.task_class(cfg.task, cfg.seed)
     model = task.model()
     assert wrapping.on_meta(model)
@@ -76,6 +76,32 @@ def test_a_llama_folder_built_on_meta_gives_transformers_logits(tmp_path, tie):
     task, model = task_model(folder)
     assert [id(b) for b in task.blocks(model)] == [id(layer) for layer in model.model.layers]
     assert ("lm_head.weight" in task.hf_model(model).tensors) is not tie
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens).logits
+    theirs = hf_models.logits_of(folder, tokens)
+    assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
+
+
+def test_gpt2_as_the_hub_stores_it_without_the_transformer_prefix_gives_transformers_logits(tmp_path):
+    """openai-community/gpt2's files name the base model's tensors without its prefix (wte.weight, not
+    transformer.wte.weight), as transformers' from_pretrained takes them: the task loads them too."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    theirs = hf_models.logits_of(folder, tokens)
+    hf_models.without_prefix(folder)
+    assert torch.equal(hf_models.logits_of(folder, tokens), theirs)  # transformers: the same model
+    _, model = task_model(folder)
+    with torch.no_grad():
+        ours = model(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-6, (ours - theirs).abs().max()
+
+
+def test_a_model_without_sdpa_attention_loads_with_task_attention_eager_and_transformers_logits(tmp_path):
+    """GPT-Neo has no sdpa attention in transformers (refused in one line that says task.attention=eager): with
+    eager attention the task computes transformers' logits."""
+    folder = hf_models.tiny_other(tmp_path / "neo", "gpt_neo")
+    _, model = task_model(folder, None, "task.attention=eager")
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(tokens).logits
@@ -190,13 +216,22 @@ CASES = {
                               "model.layers.0.mlp.gate_proj.weight needs [96, 32]",
     "a larger tokenizer in the folder": "tokenizer.json has a vocabulary of 300 tokens, more than the model's 128",
     "shards of a larger tokenizer": ">= the vocab_size of",
+    "a missing shard": "lacks 1 of the 2 safetensors files that its model.safetensors.index.json names "
+                       "(model-00002-of-00002.safetensors): a copy or a download that stopped early",
+    "a git-lfs pointer": "model.safetensors is a git-lfs pointer file, not the weights (a git clone without git-lfs)",
+    "GPT-NeoX, renamed on load": "has no tensor lm_head.weight (it has 28, e.g. embed_out.weight, "
+                                 "gpt_neox.embed_in.weight, gpt_neox.final_layer_norm.bias): transformers renames or "
+                                 "fuses the tensors of GPTNeoXForCausalLM as it loads them (^embed_out\\. -> lm_head.)",
+    "GPT-Neo, without sdpa": "task.attention: transformers " + hf_models.transformers.__version__ + " has no sdpa "
+                             "attention for the gpt_neo model of",
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_path, llama, case):
     folder, data = llama
-    bad = hf_models.tiny_llama(tmp_path / "model", tokenizer=False)
+    bad = hf_models.tiny_llama(tmp_path / "model", tokenizer=False,
+                               max_shard_size="60KB" if case == "a missing shard" else None)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bad / name).write_bytes((folder / name).read_bytes())
     config = json.loads((bad / "config.json").read_text())
@@ -206,6 +241,15 @@ def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_pa
         (bad / "config.json").write_text(json.dumps(config | {"model_type": "llama-from-the-future"}))
     elif case == "shapes that do not fit":
         (bad / "config.json").write_text(json.dumps(config | {"intermediate_size": 96}))
+    elif case == "a missing shard":
+        assert len(list(bad.glob("*.safetensors"))) == 2
+        (bad / "model-00002-of-00002.safetensors").unlink()
+    elif case == "a git-lfs pointer":
+        (bad / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:"
+                                               + "0" * 64 + "\nsize 123456\n")
+    elif case.startswith("GPT-Neo"):
+        hf_models.tiny_other(bad, "gpt_neox" if case.startswith("GPT-NeoX") else "gpt_neo")
+        (bad / "model.safetensors.index.json").unlink(missing_ok=True)
     elif case == "a larger tokenizer in the folder":
         hf_models.tiny_tokenizer(bad, vocab=300)
     else:

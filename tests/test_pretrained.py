@@ -114,11 +114,31 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
     assert (hf_models.logits_of(tmp_path / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
 
 
-@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model"])
+# A GPT-2 folder the built-in GPT would load into other numbers than transformers computes: refused, with why
+OTHERWISE = {
+    "untied": ({"tie_word_embeddings": False}, "is a GPT-2 with an output layer of its own (tie_word_embeddings: "
+                                               "false, its lm_head.weight), and the built-in GPT ties it"),
+    "layer_norm_epsilon": ({"layer_norm_epsilon": 1e-3}, "computes otherwise than the built-in GPT "
+                                                         "(layer_norm_epsilon: 0.001;"),
+    "scale_attn_weights": ({"scale_attn_weights": False}, "computes otherwise than the built-in GPT "
+                                                          "(scale_attn_weights: false;"),
+}
+
+
+@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model",
+                                  *OTHERWISE, "fp8 with its quantization_config", "fp8 weights alone"])
 def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case):
-    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2", **OTHERWISE.get(case, ({},))[0])
     overrides = [f"task.init_from={folder}"]
-    if case == "no config.json":
+    if case in OTHERWISE:
+        words = OTHERWISE[case][1]
+    elif case == "fp8 with its quantization_config":
+        hf_models.fp8(folder)
+        words = "holds a quantized model (fp8 in its config.json), whose weights mean nothing without their scales"
+    elif case == "fp8 weights alone":
+        hf_models.fp8(folder, scales=False)
+        words = "transformer.wte.weight is stored as float8_e4m3fn, not as float32, bfloat16 or float16"
+    elif case == "no config.json":
         (folder / "config.json").unlink()
         words = "has no config.json"
     elif case == "a llama folder":
@@ -180,3 +200,65 @@ def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tm
     m = big["build_model_mib"]
     assert 700 < m < 900, m
     assert big["build_peak_mib_meta"] < m / 2 + small["build_peak_mib_meta"] + 128, (big, small)
+
+
+def test_an_empty_init_from_is_no_folder_even_where_the_working_directory_holds_a_model(tmp_path):
+    """task.init_from= (empty) is the model's own init: launched from a folder holding another model's config.json,
+    the built-in GPT neither refuses it nor takes its sizes."""
+    hf_models.tiny_llama(tmp_path, tokenizer=False)  # config.json and model.safetensors in the working directory
+    proc = subprocess.run([PY, "-m", "train", "--config", str(ROOT / "configs/gpt.yaml"), *LM[2:],
+                           f"run.dir={tmp_path / 'run'}", "train.steps=1", "task.init_from="],
+                          cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model: 805,632 parameters" in proc.stdout, proc.stdout[-3000:]  # the tiny preset, 64 tokens
+
+
+def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(tmp_path):
+    """The sizes read from task.init_from's config.json are recorded in the run (config.yaml, the checkpoints'
+    config): the same command relaunched after the folder moved resumes, and the run exports."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2", positions=48)  # 48 positions: the tiny preset has 128
+    cmd = [PY, "-m", "train", *LM, f"run.dir={tmp_path / 'run'}", f"task.init_from={folder}", "checkpoint.every=2"]
+    proc = subprocess.run([*cmd, "train.steps=2"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder.rename(tmp_path / "moved")
+    proc = subprocess.run([*cmd, "train.steps=4"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4]
+    proc = subprocess.run([PY, "-m", "train.export", str(tmp_path / "run"), "--format", "hf", "--out",
+                           str(tmp_path / "hf")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["n_positions"], config["n_layer"], config["vocab_size"]) == (48, 2, 100)
+
+
+def test_a_launch_draws_no_init_for_what_a_checkpoint_or_init_from_fills(tmp_path):
+    """The random init of a tensor that the launch then loads whole is skipped: a run from a GPT-2 folder draws only
+    the embedding (its padding rows, 28 of 128, are in no file), its relaunch resuming a checkpoint draws nothing,
+    a fresh run draws every tensor. The resumed run ends where the uninterrupted one does."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    task = f"task.name={ROOT / 'tests' / 'init_log_task.py'}:LoggedInit"
+    log = tmp_path / "init.log"
+
+    def launch(run: str, *overrides: str) -> list[str]:
+        log.write_text("")
+        proc = subprocess.run([PY, "-m", "train", *LM, task, f"run.dir={tmp_path / run}", "checkpoint.every=2",
+                               *overrides], cwd=ROOT, env=clean_env(INIT_LOG=str(log)), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return log.read_text().split()
+
+    from train import config
+
+    cfg = config.load("configs/gpt.yaml", LM[2:])
+    every = [n for n, _ in cfg.task_class(cfg.task, cfg.seed).model().named_parameters()]
+    assert len(every) == 52 and launch("fresh", "train.steps=1") == every
+    assert launch("run", f"task.init_from={folder}", "train.steps=2") == ["transformer.wte.weight"]
+    assert launch("run", f"task.init_from={folder}", "train.steps=4") == []
+    assert launch("ref", f"task.init_from={folder}", "train.steps=4") == ["transformer.wte.weight"]
+    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "run")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k

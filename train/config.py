@@ -340,8 +340,20 @@ def load(path: str | None, overrides: list[str], task: bool = True) -> Config:
     _merge(cfg, cli)
     if task:
         _set_task(cfg, [file_task or {}, cli_task])
+        _recorded(cfg)
     validate(cfg)
     return cfg
+
+
+def _recorded(cfg: Config) -> None:
+    """A relaunch: the task completes its keys with what the run recorded in its config.yaml (Task.recorded)."""
+    try:
+        run = yaml.safe_load((cfg.run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):  # no run yet (or no readable record): nothing to complete
+        return
+    section = run.get("task") if isinstance(run, dict) else None
+    if isinstance(section, dict) and section.get("name") == cfg.task_name:
+        cfg.task_class.recorded(cfg.task, section)
 
 
 def make_run_dir(run_dir: Path) -> None:

@@ -73,6 +73,7 @@ class HFModel:
     tensors: dict[str, HFTensor]
     base_prefix: str = ""
     files: tuple[str, ...] = ()  # other files export writes beside (the tokenizer of the folder it came from)
+    missing: str = ""  # why a tensor may be missing from a folder of this architecture, where the task knows
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -95,6 +96,12 @@ def hf_config(folder: Path, key: str = "task.init_from") -> dict:
         raise ConfigError(f"{key}: {path} does not read as JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{key}: {path} is not a JSON object")
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "") if isinstance(quantized, dict) else ""
+        raise ConfigError(f"{key}: {folder} holds a quantized model ({method or 'quantization_config'} in its "
+                          f"config.json), whose weights mean nothing without their scales: train from the "
+                          f"unquantized model's folder (bf16 or fp32 safetensors)")
     return config
 
 
@@ -177,6 +184,13 @@ class Task:
         *.safetensors), or another run's checkpoint (a run directory or a step folder); "": the model's own
         init. Default: the task's `init_from` key, where it has one."""
         return getattr(self.cfg, "init_from", "") or ""
+
+    @classmethod
+    def recorded(cls, cfg: Any, run: dict) -> None:
+        """A relaunch in a run directory that has a config.yaml: `run` is the task section it recorded (the keys
+        of the launch before), `cfg` this launch's task keys, to complete in place with what this launch cannot
+        work out again (the built-in GPT: the sizes it read from an init_from folder moved since). Default:
+        nothing."""
 
     def hf_model(self, model: nn.Module) -> HFModel | None:
         """How `model` (built by model(), possibly on meta) is stored as a Hugging Face model; None: it is not

@@ -18,7 +18,7 @@ from train import optim
 from train.checkpoint import pretrained
 from train.checkpoint.checkpointer import Checkpointer
 from train.checkpoint.dcp_io import error_text, error_traceback, first_error
-from train.checkpoint.resume import check_fresh_start
+from train.checkpoint.resume import check_fresh_start, decide
 from train.checkpoint.storage import SaveError
 from train.config import Config, ConfigError
 from train.errors import EXIT_REQUEUE, say
@@ -55,6 +55,7 @@ class Parts:
     window_loss: torch.Tensor | None = None  # this rank's loss sum since the last log step (float32)
     window_steps: int = 0  # steps in that sum
     eval_pending: bool = False  # an evaluation was due at `step` but a stop came first: done after resume
+    loads: frozenset[str] = frozenset()  # the model's tensors given memory only: a checkpoint or init_from fills them
 
 
 def autocast(parts: Parts):
@@ -261,15 +262,16 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     if cfg.dist.sync_bn:
         raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
     meta = wrapping.on_meta(raw)  # built on the meta device: no memory until it is sharded (FSDP) or wrapped
+    loads = frozenset(_loaded_whole(cfg, task, raw, denv) if meta else ())
     if not meta:
         raw = raw.to(device)
     elif cfg.dist.strategy == "ddp":
-        wrapping.materialize(raw, task, device, cfg.seed)
+        wrapping.materialize(raw, task, device, cfg.seed, skip=loads)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
     wrapped = wrapping.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
     if meta and cfg.dist.strategy == "fsdp":
-        wrapping.materialize(raw, task, device, cfg.seed)  # each rank's shards only
+        wrapping.materialize(raw, task, device, cfg.seed, skip=loads)  # each rank's shards only
     step_model = torch.compile(wrapped) if cfg.train.compile else wrapped
     # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
     # augmentation), as different samples on different GPUs should; a resume restores each rank's states.
@@ -282,7 +284,25 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
                  step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
                  stream=stream, eval_loader=eval_loader, log=log,
                  stop=StopRequest(cfg.checkpoint.signal), markers=Markers(cfg.run_dir, denv.rank),
-                 window_loss=torch.zeros((), device=device))
+                 window_loss=torch.zeros((), device=device), loads=loads)
+
+
+def _loaded_whole(cfg: Config, task: Task, model: nn.Module, denv: distributed.DistEnv) -> set[str]:
+    """The tensors of the meta-built `model` that this launch overwrites whole before the first step: all that
+    a checkpoint holds where the run resumes one (rank 0's view of the run's checkpoints: the same on every
+    rank), else those that init_from's files hold; their random init would be drawn for nothing."""
+    found = [False]
+    if denv.rank == 0:
+        try:
+            found[0] = bool(decide(cfg).candidates)
+        except ConfigError:
+            pass  # the resume says it, in one line
+    if denv.world_size > 1:
+        torch.distributed.broadcast_object_list(found, src=0)
+    if found[0]:  # a resume loads every tensor of the model's state, or stops the launch
+        return set(model.state_dict().keys())
+    source = task.init_from()
+    return pretrained.covers(model, task, source) if source else set()
 
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no room: a full disk, a quota, a file size limit
@@ -331,7 +351,11 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         parts.stop.install()
         parts.markers.forget_stopped()
         resumed = ckpt.resume(parts)  # a mismatched checkpoint raises here, before anything is written
-        if not resumed and (source := parts.task.init_from()):  # the run's own checkpoints come first
+        source = "" if resumed else parts.task.init_from()  # the run's own checkpoints come first
+        if not resumed and parts.loads - (pretrained.covers(parts.raw, parts.task, source) if source else set()):
+            # build gave them no init, for a checkpoint that was there then and that the resume did not find
+            raise ConfigError(f"the checkpoints of {cfg.run_dir} changed while this launch started: relaunch")
+        if source:
             pretrained.load(parts.raw, parts.task, source, log)
         if resumed:
             log.truncate_metrics(parts.step)

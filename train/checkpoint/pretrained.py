@@ -56,16 +56,37 @@ def load(model: nn.Module, task, source: str, log) -> None:
     log.info(f"{option}={source}: the first step starts from the weights of the {what} {path}")
 
 
+def covers(model: nn.Module, task, source: str) -> set[str]:
+    """The names of the tensors of `model` (built, on meta or not) that load(model, task, source) writes whole:
+    not those it leaves to their init (a padded vocabulary's extra rows, buffers that no file holds). Empty
+    where `source` is neither kind of folder (load then says so)."""
+    path = Path(source)
+    if is_hf_folder(path):
+        hf = task.hf_model(model)
+        if hf is None:
+            return set()
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        return {name for name, spec in hf.tensors.items()
+                if name in tensors and (not spec.rows or spec.rows == tensors[name].shape[0])}
+    try:
+        _checkpoint(path)
+    except ConfigError:
+        return set()
+    return set(model.state_dict().keys())  # _load_checkpoint loads the model's whole state
+
+
 def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{option}: {folder} holds no *.safetensors file (a pytorch_model.bin folder: load it with "
                           f"transformers and save_pretrained it again, which writes safetensors)")
+    _check_files(folder, files, option)
     reader = dcp.HuggingFaceStorageReader(str(folder))
     try:
-        stored = {k: tuple(md.size) for k, md in reader.read_metadata().state_dict_metadata.items()}
+        metadata = reader.read_metadata().state_dict_metadata
     except Exception as e:
         raise ConfigError(f"{option}: the safetensors files of {folder} do not read ({error_text(e)})") from None
+    stored = {k: tuple(md.size) for k, md in metadata.items()}
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     targets: dict[str, torch.Tensor] = {}
     padded: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (the model's tensor, the file's rows, how many)
@@ -76,12 +97,18 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
             key = key[len(hf.base_prefix):]  # files of the base model (GPT2Model's) leave the prefix out
         if key not in stored:
             raise ConfigError(f"{option}: {folder} has no tensor {spec.name} (it has {len(stored)}, e.g. "
-                              f"{', '.join(sorted(stored)[:3])}): is it a model of this architecture?")
+                              f"{', '.join(sorted(stored)[:3])}): "
+                              f"{hf.missing or 'is it a model of this architecture?'}")
         shape = tuple(ours.shape)
         if spec.transposed:
             shape = shape[::-1]
         if spec.rows:
             shape = (spec.rows, *shape[1:])
+        dtype = getattr(getattr(metadata[key], "properties", None), "dtype", None)
+        if ours.is_floating_point() and dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+            raise ConfigError(f"{option}: {folder}'s {key} is stored as {str(dtype).removeprefix('torch.')}, not "
+                              f"as float32, bfloat16 or float16: a quantized model, whose values mean nothing "
+                              f"without their scales; train from the unquantized model's folder")
         if stored[key] != shape:
             raise ConfigError(f"{option}: {folder}'s {key} has the shape {list(stored[key])}, the model's {name} "
                               f"needs {list(shape)}: the model that the task's settings and the folder's config.json "
@@ -107,6 +134,30 @@ def _load_hf(model: nn.Module, folder: Path, hf: HFModel, option: str = KEY) -> 
                                              src_data_rank=None))
             else:
                 ours.copy_(whole)
+
+
+LFS = b"version https://git-lfs"  # how a git-lfs pointer file begins
+
+
+def _check_files(folder: Path, files: list[Path], option: str) -> None:
+    """The safetensors files that a folder copied in part lacks, named: a git-lfs pointer in a weights file's place
+    (a clone without `git lfs pull`), a shard that the index names and the folder does not hold."""
+    for f in files:
+        with open(f, "rb") as fh:
+            if fh.read(len(LFS)) == LFS:
+                raise ConfigError(f"{option}: {f} is a git-lfs pointer file, not the weights (a git clone without "
+                                  f"git-lfs): run `git lfs pull` in the clone, or copy the folder with `hf download`")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{option}: {index} does not read as a safetensors index ({e})") from None
+        missing = sorted(name for name in shards if not (folder / name).is_file())
+        if missing:
+            raise ConfigError(f"{option}: {folder} lacks {len(missing)} of the {len(shards)} safetensors files that "
+                              f"its model.safetensors.index.json names ({', '.join(missing[:3])}): a copy or a "
+                              f"download that stopped early; copy the whole folder again")
 
 
 def _checkpoint(path: Path, option: str = KEY) -> Path:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
 import torch
 import torch.nn as nn
@@ -69,11 +70,13 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def materialize(model: nn.Module, task, device: torch.device, seed: int) -> None:
+def materialize(model: nn.Module, task, device: torch.device, seed: int, skip: Collection[str] = ()) -> None:
     """Give a meta-built model (plain, or sharded by fully_shard) its memory on `device` and its initial
     values: for each parameter and buffer in the model's order (a tied weight once), every rank draws the
     whole tensor on the CPU with task.init_parameter and keeps its shard. At most one whole tensor is held at
-    a time; the generator is the CPU's, so GPUs and CPUs, one rank or many, DDP or FSDP get the same bits."""
+    a time; the generator is the CPU's, so GPUs and CPUs, one rank or many, DDP or FSDP get the same bits.
+    `skip`: the tensors a checkpoint or init_from overwrites whole before the first step (a resume), given
+    memory only: drawing them would cost a rank about 70 s at 7B parameters, for nothing."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     shared: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter held by several modules (tied weights)
@@ -90,6 +93,8 @@ def materialize(model: nn.Module, task, device: torch.device, seed: int) -> None
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in (*model.named_parameters(), *model.named_buffers()):
+            if name in skip:
+                continue
             full = torch.empty(t.shape, dtype=t.dtype)  # a DTensor's shape is the whole tensor's
             task.init_parameter(name, full, generator)
             if isinstance(t, DTensor):  # every rank holds the same whole tensor: each keeps its slice, no message

@@ -5,7 +5,8 @@
       data: data/fineweb10B        # llm.c's or nanoGPT's .bin shards: *train*.bin trains, *val*.bin evaluates
       model: gpt2                  # the 124M preset, to compare with llm.c and nanoGPT
       seq_len: 1024
-      init_from: models/gpt2       # optional: a local Hugging Face GPT-2 folder (its sizes replace the preset's)
+      init_from: models/gpt2       # optional: a local Hugging Face GPT-2 folder (its sizes replace the preset's,
+                                   # recorded in the task's keys: the run resumes after the folder moved)
 
 The model is built on the meta device and initialized shard by shard (init_parameter): the same seed gives
 the same weights under DDP and FSDP, on any number of ranks. A Hugging Face GPT-2 folder (transformers'
@@ -19,6 +20,7 @@ logs the loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,11 @@ BUILTIN_VOCAB, CANDIDATES, BRANCH, NOISE = 64, 8, 3, 0.05
 STREAMS, CHUNK_STEPS = 256, 4096  # the corpus is runs of the chain of 4096 tokens (builtin_tokens)
 # GPT-2's Conv1D layers: stored (in, out) in Hugging Face files, where nn.Linear has (out, in)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The sizes a Hugging Face GPT-2 folder's config.json gives the model (recorded in the task's keys)
+SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
+# What GPT-2's config.json may set that changes what the model computes, with the built-in GPT's values
+COMPUTES = {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True}
+HF_TASK = "train it with task.name=train.tasks.hf:CausalLM, which computes what transformers does"
 
 
 class LanguageModel(Task):
@@ -56,6 +63,7 @@ class LanguageModel(Task):
         n_head: int = 0  # 0: the preset's
         n_embd: int = 0  # 0: the preset's
         vocab_size: int = 0  # 0: the preset's for shards (gpt2 50257, tiny/nano 256 bytes); builtin: 64
+        n_positions: int = 0  # learned positions (the longest window); 0: seq_len, else the preset's block size
         dropout: float = 0.0  # dropout probability in the blocks (0: none)
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
@@ -64,41 +72,66 @@ class LanguageModel(Task):
     unit = "tokens"
 
     def gpt_config(self) -> GPTConfig:
-        """The model's GPTConfig: the preset with the overrides that are set, or the sizes of the Hugging Face
-        folder of init_from; its block size is seq_len (a HF model's: its positions)."""
+        """The model's GPTConfig: the preset with the overrides that are set; with init_from a Hugging Face folder,
+        the folder's sizes, written into the task's keys (so the run's config.yaml and checkpoints record them:
+        a relaunch or an export after the folder moved builds the same model)."""
         c = self.cfg
-        if is_hf_folder(Path(c.init_from)):
+        if self._hf_folder():
             h = self._hf_config()
-            return GPTConfig(n_layer=h["n_layer"], n_head=h["n_head"], n_embd=h["n_embd"],
-                             vocab_size=c.vocab_size or h["vocab_size"], block_size=h["n_positions"],
-                             dropout=c.dropout)
+            c.vocab_size = c.vocab_size or h["vocab_size"]
+            c.n_layer, c.n_head, c.n_embd, c.n_positions = h["n_layer"], h["n_head"], h["n_embd"], h["n_positions"]
         base = PRESETS[c.model]
         vocab = c.vocab_size or (BUILTIN_VOCAB if c.data == "builtin" else base.vocab_size)
         return preset(c.model, n_layer=c.n_layer or base.n_layer, n_head=c.n_head or base.n_head,
-                      n_embd=c.n_embd or base.n_embd, vocab_size=vocab, block_size=c.seq_len or base.block_size,
-                      dropout=c.dropout)
+                      n_embd=c.n_embd or base.n_embd, vocab_size=vocab,
+                      block_size=c.n_positions or c.seq_len or base.block_size, dropout=c.dropout)
 
     def seq_len(self) -> int:
         """Tokens per window: task.seq_len, else the model's block size."""
         return self.cfg.seq_len or self.gpt_config().block_size
 
+    def _hf_folder(self) -> bool:
+        """Whether init_from names a Hugging Face folder (an empty init_from names none: not the working
+        directory)."""
+        return bool(self.cfg.init_from) and is_hf_folder(Path(self.cfg.init_from))
+
+    @classmethod
+    def recorded(cls, cfg, run: dict) -> None:
+        """A relaunch whose init_from folder is no longer there (moved, deleted): the sizes the run read from it
+        at its first launch, from the run's config.yaml, so that it resumes (its weights are its checkpoints')."""
+        if cfg.init_from and run.get("init_from") == cfg.init_from and not is_hf_folder(Path(cfg.init_from)):
+            for key in SIZES:
+                if not getattr(cfg, key) and isinstance(run.get(key), int):
+                    setattr(cfg, key, run[key])
+
     def _hf_config(self) -> dict:
-        """The init_from folder's config.json, checked to be a GPT-2 this GPT is (once)."""
+        """The init_from folder's config.json, checked to be a GPT-2 that computes what this GPT does (once)."""
         if getattr(self, "_hf", None) is None:
-            h = hf_config(Path(self.cfg.init_from))
+            folder = self.cfg.init_from
+            h = hf_config(Path(folder))
             if h.get("model_type") != "gpt2":
-                raise ConfigError(f"task.init_from: {self.cfg.init_from} holds a {h.get('model_type', 'model')} "
+                raise ConfigError(f"task.init_from: {folder} holds a {h.get('model_type', 'model')} "
                                   f"({', '.join(h.get('architectures') or ['no architectures'])}), and the built-in "
                                   f"GPT loads GPT-2 folders: train it with task.name=train.tasks.hf:CausalLM")
-            missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions") if k not in h]
+            missing = [k for k in SIZES if k not in h]
             if missing:
-                raise ConfigError(f"task.init_from: {self.cfg.init_from}/config.json has no {', '.join(missing)}")
+                raise ConfigError(f"task.init_from: {folder}/config.json has no {', '.join(missing)}")
+            other = HF_TASK
+            if h.get("tie_word_embeddings", True) is False:
+                raise ConfigError(f"task.init_from: {folder} is a GPT-2 with an output layer of its own "
+                                  f"(tie_word_embeddings: false, its lm_head.weight), and the built-in GPT ties it "
+                                  f"to the embedding: {other}")
             if h.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh") or h.get(
                     "n_inner") not in (None, 4 * h["n_embd"]) or h.get("scale_attn_by_inverse_layer_idx"):
-                raise ConfigError(f"task.init_from: {self.cfg.init_from} is a GPT-2 variant the built-in GPT is not "
-                                  f"(activation, n_inner or attention scaling): use task.name=train.tasks.hf:CausalLM")
-            for key in ("n_layer", "n_head", "n_embd"):
-                if getattr(self.cfg, key):
+                raise ConfigError(f"task.init_from: {folder} is a GPT-2 variant the built-in GPT is not "
+                                  f"(activation, n_inner or attention scaling): {other}")
+            differs = [f"{k}: {json.dumps(h[k])}" for k, ours in COMPUTES.items() if k in h and h[k] != ours]
+            if differs:
+                raise ConfigError(f"task.init_from: {folder} is a GPT-2 that computes otherwise than the built-in GPT "
+                                  f"({', '.join(differs)}; the built-in GPT has "
+                                  f"{', '.join(f'{k}: {json.dumps(COMPUTES[k])}' for k in COMPUTES)}): {other}")
+            for key in ("n_layer", "n_head", "n_embd", "n_positions"):
+                if getattr(self.cfg, key) not in (0, h[key]):
                     raise ConfigError(f"task.{key}: the model's sizes come from task.init_from's config.json "
                                       f"({key}={h[key]}); leave task.{key} unset")
             self._hf = h
@@ -111,8 +144,8 @@ class LanguageModel(Task):
                 raise ConfigError(f"task.{key} must be >= 0 (0: the preset's), got {getattr(c, key)}")
         g = self.gpt_config()
         if c.seq_len > g.block_size:
-            raise ConfigError(f"task.seq_len ({c.seq_len}) exceeds the model's {g.block_size} positions (the "
-                              f"n_positions of task.init_from's config.json)")
+            raise ConfigError(f"task.seq_len ({c.seq_len}) exceeds the model's {g.block_size} positions "
+                              f"(task.n_positions: the n_positions of task.init_from's config.json where it is set)")
         if g.n_embd % g.n_head:
             raise ConfigError(f"task.n_embd ({g.n_embd}) must be a multiple of task.n_head ({g.n_head})")
         if not 0 <= c.dropout < 1:
@@ -158,7 +191,7 @@ class LanguageModel(Task):
             "resid_pdrop": g.dropout, "embd_pdrop": g.dropout, "attn_pdrop": g.dropout, "tie_word_embeddings": True,
             "bos_token_id": g.vocab_size - 1, "eos_token_id": g.vocab_size - 1,  # GPT-2's <|endoftext|>: the last
         }
-        if is_hf_folder(Path(self.cfg.init_from)):  # the folder's own words where it has them (token ids, ...)
+        if self._hf_folder():  # the folder's own words where it has them (token ids, ...)
             config = self._hf_config() | {k: config[k] for k in ("vocab_size", "resid_pdrop", "embd_pdrop",
                                                                   "attn_pdrop")}
         return HFModel(config=config, tensors=tensors, base_prefix="transformer.")

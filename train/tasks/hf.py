@@ -157,21 +157,28 @@ class CausalLM(Task):
                 return t.AutoModelForCausalLM.from_config(config, attn_implementation=self.cfg.attention,
                                                           dtype=torch.float32)
         except Exception as e:
+            if self.cfg.attention == "sdpa" and "scaled_dot_product_attention" in str(e):
+                raise ConfigError(f"task.attention: transformers {t.__version__} has no sdpa attention for the "
+                                  f"{config.model_type} model of {self.cfg.path}: set task.attention=eager") from None
             raise ConfigError(f"{KEY}: transformers builds no causal language model from {self.cfg.path}/config.json "
                               f"(model_type {config.model_type!r}: {_one_line(e)})") from None
 
     def init_from(self) -> str:
         return self.cfg.path
 
+    def skeleton(self) -> nn.Module:
+        """A meta model of the task's own, never sharded (fully_shard changes a model's class): once."""
+        if self._skeleton is None:
+            self._skeleton = self.model()
+        return self._skeleton
+
     def init_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """transformers' own init of the tensor `name` (the model's _init_weights, applied as initialize_weights
         does: to the module holding it, then to each module above), on a meta model of this task's own in which
         `full` stands for that one tensor: the draws that touch other tensors touch meta ones and draw nothing,
         and the draws are from `generator` alone. Buffers too: the rotary embeddings' inv_freq, in no file."""
-        if self._skeleton is None:
-            self._skeleton = self.model()
         owner_name, _, attr = name.rpartition(".")
-        chain = [self._skeleton]
+        chain = [self.skeleton()]
         for part in owner_name.split(".") if owner_name else ():
             chain.append(getattr(chain[-1], part))
         owner = chain[-1]
@@ -208,7 +215,8 @@ class CausalLM(Task):
     def hf_model(self, model: nn.Module) -> HFModel:
         """The folder's own architecture: each parameter and persistent buffer under its own name (the names of
         transformers' state dict are those of its files), a tied weight once (as save_pretrained leaves out
-        lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer)."""
+        lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer). Files
+        that leave out the base model's prefix (transformer., model.) load too, as transformers loads them."""
         tensors = {name: HFTensor(name) for name, _ in model.named_parameters()}  # a tied weight once
         for prefix, module in model.named_modules():
             for key, t in module._buffers.items():
@@ -218,7 +226,10 @@ class CausalLM(Task):
         config = {k: v for k, v in self.folder_config().items() if k not in ("dtype", "torch_dtype")}
         files = tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
                       and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
-        return HFModel(config=config, tensors=tensors, files=files)
+        # the files of the base model (GPT-2 as the Hub stores it: wte.weight, h.0...) leave its prefix out
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files,
+                       missing=_renamed_on_load(self.skeleton()))
 
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x).logits
@@ -254,6 +265,24 @@ class CausalLM(Task):
 
     def units_per_sample(self) -> int:
         return self.cfg.seq_len
+
+
+def _renamed_on_load(model: nn.Module) -> str:
+    """What a tensor missing from the files means for an architecture whose files transformers renames or fuses as
+    it loads them (its conversion mapping: GPT-NeoX's embed_out, Mixtral's and Qwen2-MoE's experts); "" for one
+    whose files hold the model's own names."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # another transformers: no mapping to name
+        return ""
+    if not transforms:
+        return ""
+    pairs = [f"{', '.join(t.source_patterns)} -> {', '.join(t.target_patterns)}" for t in transforms[:2]]
+    return (f"transformers renames or fuses the tensors of {type(model).__name__} as it loads them ({'; '.join(pairs)}"
+            f"{'; ...' if len(transforms) > 2 else ''}), and this task reads the files as they are: it does not "
+            f"fine-tune this architecture")
 
 
 def tokenizer_size(folder: Path) -> int:
