@@ -119,7 +119,8 @@ def all_commands() -> list[tuple[str, str]]:
 
 
 def make_targets() -> set[str]:
-    return set(re.findall(r"^([\w.-]+)\s*:(?!=)", (ROOT / "Makefile").read_text(), re.M))
+    rules = re.findall(r"^([\w.-]+(?: [\w.-]+)*)\s*:(?!=)", (ROOT / "Makefile").read_text(), re.M)
+    return {target for rule in rules for target in rule.split()}  # `venv-torch test-torch:` names two
 
 
 def split_command(command: str) -> tuple[dict, list[str], list[str]]:
