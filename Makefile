@@ -30,9 +30,9 @@ endif
 
 # The development set-up adds the tests' tools and the optional Hugging Face trio (requirements-hf.txt); with
 # TORCH=, less requirements-dev.txt's `-r requirements.txt` (the pins).
+DEV_REQUIREMENTS = $(if $(TORCH),<(grep -v '^-r requirements.txt' requirements-dev.txt),requirements-dev.txt)
 $(VENV)/.dev: $(VENV)/.deps requirements-dev.txt requirements-hf.txt
-	$(PY) -m pip install -q $(if $(TORCH),-r <(grep -v '^-r requirements.txt' requirements-dev.txt),-r \
-		requirements-dev.txt) -r requirements-hf.txt
+	$(PY) -m pip install -q -r $(DEV_REQUIREMENTS) -r requirements-hf.txt
 	@touch $@
 
 venv: $(VENV)/.deps

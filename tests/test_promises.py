@@ -193,27 +193,24 @@ if os.environ.get("RANK") == "1":
 
 # ---------------------------------------------------------------- which samples, across world sizes
 
-MICRO, GLOBAL, SAMPLES = 4, 24, 64  # 24 divides over 1, 2 and 3 ranks of 4
+MICRO, GLOBAL, SAMPLES = 4, 24, 64  # 24 divides over 1, 2 and 3 ranks
 # (world size, train.steps at the end of the segment): 2 ranks to step 1 (24 samples of epoch 0), 1 to step 4
-# (epoch 0 ends at 64 within step 3, 32 of epoch 1), 3 to step 6: 32 does not divide by 3, the rest of epoch 1
-# (32 samples, 10 a rank, 8 in whole micro-batches) ends at 56, and 24 samples of epoch 2 follow.
+# (epoch 0 ends at 48, after its last whole step of 24; 48 of epoch 1), 3 to step 6 (16 left of epoch 1: no whole
+# step, so epoch 2 begins; 48 of it).
 SEGMENTS = [(2, 1), (1, 4), (3, 6)]
 
 
 def expected_reads(segments: list[tuple[int, int]]) -> dict[int, int]:
-    """{epoch: how many samples of it are read}: the world size of the moment reads the rest of the epoch's
-    permutation, each rank every world-th sample of it (DistributedSampler's strided shards, the tail that
-    does not divide dropped), less each rank's incomplete micro-batch."""
+    """{epoch: how many samples of it are read}: each step reads the next GLOBAL samples of the epoch's permutation
+    (each rank every world-th one, DistributedSampler's strided shards); an epoch ends where the world size of the
+    moment has no whole step left in it (each rank's share of the rest is less than GLOBAL / world)."""
     counts, epoch, done, step = {}, 0, 0, 0
     for world, until in segments:
-        left = (until - step) * GLOBAL
-        while left:
-            ends_at = done + world * ((SAMPLES - done) // world // MICRO * MICRO)
-            take = min(left, ends_at - done)
-            done, left = done + take, left - take
-            counts[epoch] = done
-            if done == ends_at:
+        for _ in range(until - step):
+            if (SAMPLES - done) // world < GLOBAL // world:
                 epoch, done = epoch + 1, 0
+            done += GLOBAL
+            counts[epoch] = done
         step = until
     return counts
 

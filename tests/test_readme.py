@@ -60,24 +60,26 @@ def test_make_train_local_on_a_fresh_copy(tmp_path):
     print(f"make train-local: {summary}")
     # docs/first-hour.md shows this job's console output: each of its lines is one this run printed, in order,
     # but for the numbers (times, losses, rates) and the interpreter's folder.
-    assert not missing_lines(FIRST_HOUR.read_text(), proc.stdout + proc.stderr)
+    assert not missing_lines(FIRST_HOUR.read_text(), proc.stdout, proc.stderr)
 
 
 FIRST_HOUR = ROOT / "docs" / "first-hour.md"
 
 
-def missing_lines(page: str, printed: str) -> list[str]:
-    """The lines of a page's console block (the one that starts with the launcher's command) that `printed` does not
-    hold in that order, numbers aside."""
+def missing_lines(page: str, stdout: str, stderr: str) -> list[str]:
+    """The lines of a page's console block (the one that starts with the launcher's command) that the run did not
+    print, numbers aside: torchrun's command line (`+ ...`) on stderr, the others on stdout in the page's order."""
     shown = re.search(r"```\n(\.venv/bin/python -m train\.launch .*?)```", page, re.S).group(1).splitlines()
-    out, missing = iter(printed.splitlines()), []
+    streams = {"out": iter(stdout.splitlines()), "err": iter(stderr.splitlines())}
+    missing = []
     for line in shown:
         parts = re.split(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)", line)
         shape = "".join(r"[\d.e+-]+" if i % 2 else re.escape(p) for i, p in enumerate(parts))
         shape = shape.replace(re.escape(".venv/"), r"\S*\.venv/")  # torchrun's line names the venv by its full path
-        if not any(re.search(shape, o) for o in out):
+        stream = "err" if line.startswith("+ ") else "out"
+        if not any(re.search(shape, o) for o in streams[stream]):
             missing.append(line)
-            out = iter(printed.splitlines())
+            streams[stream] = iter((stderr if stream == "err" else stdout).splitlines())
     return missing
 
 
