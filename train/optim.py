@@ -30,19 +30,17 @@ def build(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kernels)
 
 
-KERNELS = ("fused", "foreach")  # the kernel choice an optimizer's param_groups hold, and its state dict with them
-
-
 @contextlib.contextmanager
-def own_kernels(optimizer: torch.optim.Optimizer):
-    """Around the load of a state dict saved with other kernels (optim.fused switched, or another GPU): the
-    saved param_groups bring the saved choice, this run's is kept. Each parameter's `step` counter goes where
-    those kernels keep it: on the parameter's device for fused ones, on the host for the others (where a
-    counter on a GPU would cost a read of the device per parameter and step)."""
-    kept = [{k: g.get(k) for k in KERNELS} for g in optimizer.param_groups]
+def own_settings(optimizer: torch.optim.Optimizer):
+    """Around the load of a saved state dict: its param_groups would bring back the saved run's hyper-parameters
+    (weight decay, betas, momentum) and kernel choice (optim.fused switched, or another GPU); this launch's are
+    kept, so a relaunch with a changed optim.* value applies it. Each parameter's `step` counter goes where the
+    kernels keep it: on the parameter's device for fused ones, on the host for the others (where a counter on a
+    GPU would cost a read of the device per parameter and step)."""
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     yield
-    for group, kernels in zip(optimizer.param_groups, kept, strict=True):
-        group.update(kernels)
+    for group, settings in zip(optimizer.param_groups, kept, strict=True):
+        group.update(settings)
         on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             state = optimizer.state.get(p, {})

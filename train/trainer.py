@@ -124,7 +124,8 @@ def train_step(parts: Parts, batches, sizes: list[int], meter: StepMeter) -> tor
             if not (torch.is_tensor(loss) and loss.dim() == 0):
                 raise ConfigError(f"task {cfg.task_name}: loss() must return a scalar tensor, got "
                                   f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
-            # Each micro-batch's mean loss weighted by its samples: the step's gradient is the mean over the share.
+            # Each micro-batch's mean loss weighted by its samples: the step's gradient is the mean over the share
+            # (equal micro-batches: the same weight, 1 / accum, written as the division it always was: bitwise).
             loss = loss * (size / share) if uneven else loss / accum
             parts.scaler.scale(loss).backward()
         total += loss.detach().float()

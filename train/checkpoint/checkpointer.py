@@ -345,17 +345,13 @@ class Checkpointer:
         """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
         size or the sharding changed); what went wrong, or None."""
         tensors, _ = tensor_state(parts)  # the shapes to read into
-        # The hyper-parameters of this launch's config (optim.*: weight decay, betas, momentum) apply, not the
-        # checkpoint's, which set_state_dict would restore: a relaunch that changes one changes it (said in _load).
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in parts.optimizer.param_groups]
         try:
             dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
             state = merge(tensors, trainer["rest"])
-            with optim.own_kernels(parts.optimizer):  # optim.fused may differ from the saved run's
+            # This launch's optim.* values and kernels apply, not the checkpoint's (a change is said in _load).
+            with optim.own_settings(parts.optimizer):
                 set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
                                optim_state_dict=state["optimizer"])
-            for group, mine in zip(parts.optimizer.param_groups, hyper, strict=True):
-                group.update(mine)
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
