@@ -231,17 +231,24 @@ def documents(path: Path, binary: bool) -> Iterator[Iterator[str | bytes]]:
     if path.suffix != ".jsonl":
         yield blocks(path, binary)
         return
+    for n, text in json_lines(path, "text"):
+        if not isinstance(text, str):
+            raise UsageError(f"{path}:{n}: \"text\" is a {type(text).__name__}, not a string")
+        yield (b.encode() for b in split(text)) if binary else split(text)
+
+
+def json_lines(path: Path, key: str) -> Iterator[tuple[int, object]]:
+    """(line number, the value of `key`) of each non-empty line of a JSON-lines file; a line that is not a JSON
+    object holding `key` is a UsageError naming the file and line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
+                value = json.loads(line)[key]
             except (ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"{path}:{n}: not a JSON object with \"text\" ({_one_line(e)})") from None
-            if not isinstance(text, str):
-                raise UsageError(f"{path}:{n}: \"text\" is a {type(text).__name__}, not a string")
-            yield (b.encode() for b in split(text)) if binary else split(text)
+                raise UsageError(f"{path}:{n}: not a JSON object with \"{key}\" ({_one_line(e)})") from None
+            yield n, value
 
 
 def blocks(path: Path, binary: bool) -> Iterator[str | bytes]:
@@ -342,20 +349,13 @@ def chat_tokenizer(path: Path):
 
 def conversations(path: Path) -> Iterator[tuple[int, list[dict]]]:
     """(line number, messages) of each non-empty line; a line that is not a conversation is a UsageError."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                msgs = json.loads(line)["messages"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"{path}:{n}: not a JSON object with \"messages\" ({_one_line(e)})") from None
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise UsageError(f"{path}:{n}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": "
-                                 f"str}}")
-            yield n, msgs
+    for n, msgs in json_lines(path, "messages"):
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise UsageError(f"{path}:{n}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": "
+                             f"str}}")
+        yield n, msgs
 
 
 def render(tok, msgs: list[dict], where: str, gen: bool = False) -> str:

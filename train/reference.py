@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 
 from train import config
+from train.task import load_class
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 TASKS = {"train.tasks.image:ImageClassification": "the built-in image task (configs/default.yaml)",
@@ -108,17 +109,10 @@ def page() -> str:
 
     table(keys(config.Config))
     for spec, what in TASKS.items():
-        cls = _import(spec)
+        cls = load_class(spec)
         rows.extend([f"## `task.*` of {what}", "", f"`task.name: {spec}`.", ""])
         table(keys(cls.Config, "task."))
     return "\n".join(rows)
-
-
-def _import(spec: str) -> type:
-    import importlib
-
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
