@@ -71,11 +71,10 @@ class StopRequest:
         if self.stopping:
             return True
         stop = self._settle()
-        if not stop and now:
-            self._start(device)
-            stop = self._settle()
-        elif not stop:
-            self._start(device)
+        if not stop:
+            self._start(device)  # answered now (waited for), or by the next call
+            if now:
+                stop = self._settle()
         self.stopping = stop
         return stop
 
