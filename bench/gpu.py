@@ -110,18 +110,28 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     from train.parallel import wrapping
 
     cuda, world = device.type == "cuda", dist.get_world_size()
+    base, _, how = strategy.partition(":")  # "fsdp:blocks": each block compiled on its own, not the whole model
     cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", f"task.seq_len={seq}",
-                                           "optim.name=adamw", "train.precision=bf16", f"dist.strategy={strategy}"])
+                                           "optim.name=adamw", "train.precision=bf16",
+                                           f"dist.strategy={'fsdp' if base == 'fsdp' else 'ddp'}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model()  # on the meta device: given its memory as the trainer does
-    if strategy == "ddp":
+    if base != "fsdp":
         wrapping.materialize(net, task, device, 0)
-    wrapped = wrapping.wrap(cfg, task, net, device)
-    if strategy == "fsdp":
+    if compile_ and how == "blocks":
+        for block in task.blocks(net):
+            block.compile()
+    if base == "ddp":  # DDP itself, also on one process (where the trainer trains the plain model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
+    else:
+        wrapped = wrapping.wrap(cfg, task, net, device)  # plain: one process's DDP strategy, the model itself
+    if base == "fsdp":
         wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
-    step_model = torch.compile(wrapped) if compile_ else wrapped  # as the trainer compiles (train.compile)
+    step_model = torch.compile(wrapped) if compile_ and how != "blocks" else wrapped  # as train.compile does
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -151,7 +161,8 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     return world * batch * g.block_size * steps / seconds, peak.item()
 
 
-def lm_strategies(steps: int, smoke: bool, batch: int = 8, compile_: bool = False) -> dict:
+def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = False,
+                  variants: tuple[str, ...] = ("ddp", "fsdp")) -> dict:
     """DDP against FSDP for the language model, under torchrun: every rank runs this."""
     import torch.distributed as dist
 
@@ -165,15 +176,26 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 8, compile_: bool = Fals
     batch = 2 if smoke else batch
     fig: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "lm_world_size": world,
                  "lm_micro_batch": batch, "lm_seq_len": seq, "lm_compile": compile_}
-    for strategy in ("ddp", "fsdp"):
-        tokens_s, peak = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
-        fig[f"lm_{strategy}_tokens_per_s"], fig[f"lm_{strategy}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
+    done = []
+    for strategy in variants:
+        name = strategy.replace(":", "_")
+        try:
+            tokens_s, peak = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
+        except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
+            fig[f"lm_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        done.append(name)
+        fig[f"lm_{name}_tokens_per_s"], fig[f"lm_{name}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    if cuda:
-        fig["lm_fsdp_over_ddp_memory"] = fig["lm_fsdp_peak_gib_per_gpu"] / fig["lm_ddp_peak_gib_per_gpu"]
-    fig["lm_fsdp_over_ddp_speed"] = fig["lm_fsdp_tokens_per_s"] / fig["lm_ddp_tokens_per_s"]
+    names = done
+    for base in ("ddp", "plain"):
+        for name in (n for n in names if n != base and base in names):
+            if cuda:
+                fig[f"lm_{name}_over_{base}_memory"] = (fig[f"lm_{name}_peak_gib_per_gpu"]
+                                                        / fig[f"lm_{base}_peak_gib_per_gpu"])
+            fig[f"lm_{name}_over_{base}_speed"] = fig[f"lm_{name}_tokens_per_s"] / fig[f"lm_{base}_tokens_per_s"]
     dist.destroy_process_group()
     return fig if rank == 0 else {}
 
@@ -183,14 +205,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="seconds, on CPU: tiny sizes, no compile")
     p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
-    p.add_argument("--micro-batch", type=int, default=8, help="--lm: windows of 1024 tokens a GPU a step")
+    p.add_argument("--micro-batch", type=int, default=16, help="--lm: windows of 1024 tokens a GPU a step")
+    p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself), ddp, fsdp, and "
+                   "ddp:blocks, fsdp:blocks (each block compiled on its own instead of the whole model)")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--json")
     args = p.parse_args()
     if args.lm:
         if not args.smoke and not torch.cuda.is_available():
             raise SystemExit("bench/gpu.py --lm needs CUDA GPUs (or --smoke for a CPU check of the script)")
-        fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke, args.micro_batch, args.compile)
+        fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke, args.micro_batch, args.compile,
+                            tuple(args.variants.split(",")))
         for k, v in fig.items():
             print(f"{k:28s} {v if isinstance(v, str) else f'{v:.3f}'}")
         if fig:

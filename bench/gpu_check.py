@@ -49,6 +49,7 @@ class Check:
 
     def __init__(self, out: Path, smoke: bool, budget_s: float):
         self.out, self.smoke, self.deadline = out, smoke, time.monotonic() + budget_s
+        self.tests: str | None = None  # pytest -k for the tests stage (default: every gpu test)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "gpu_check.json"
         self.figures: dict = {"machine": machine(), "smoke": smoke, "stages": {}}
@@ -105,8 +106,8 @@ def machine() -> dict:
 def env(**extra: str) -> dict:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    # deterministic cuBLAS for the bitwise stages (torch.use_deterministic_algorithms asks for it)
-    return out | {"PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"} | extra
+    # (train.deterministic sets cuBLAS's fixed workspace itself: the speed stages run with cuBLAS's default)
+    return out | {"PYTHONUNBUFFERED": "1"} | extra
 
 
 def run(cmd: list[str], timeout: float, expect: int = 0, **extra: str) -> subprocess.CompletedProcess:
@@ -144,8 +145,9 @@ def stage_tests(check: Check, out: Path) -> dict:
                    if "mark.gpu" in p.read_text())
     out.mkdir(parents=True, exist_ok=True)
     report = out / "junit.xml"
+    pick = ["-k", check.tests] if check.tests else []
     proc = subprocess.run([PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *files], cwd=ROOT, env=env(), capture_output=True, text=True,
+                           *pick, *files], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=max(check.left_s(), 30))
     import xml.etree.ElementTree as ET
 
@@ -162,28 +164,77 @@ def stage_tests(check: Check, out: Path) -> dict:
 
 
 def stage_gpt(check: Check, out: Path) -> dict:
+    """The trainer against a bare loop of the same model and optimizer, each in a process of its own; the
+    trainer's windows of steps 21-60 (the first hold the compilation), then a torch.profiler trace of steps
+    63-65 (outside those windows), summed up by trace_summary: where the time goes."""
     smoke = check.smoke
-    steps, every = (4, 2) if smoke else (60, 10)
+    steps, every = (10, 2) if smoke else (70, 10)
     size = ["task.model=nano", "task.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=2",
             "train.precision=fp32"] if smoke else \
         ["task.model=gpt2", "task.seq_len=1024", "task.vocab_size=50304", "task.train_tokens=4000000",
          "train.global_batch_size=16", "train.micro_batch_size=16", "train.precision=bf16", "train.compile=true"]
     common = [*size, f"train.steps={steps}", f"train.log_every={every}", "train.eval_every=0", "checkpoint.every=0",
               "task.eval_tokens=65536" if not smoke else "task.eval_tokens=4096"]
-    train(out / "trainer", "configs/gpt.yaml", *common, timeout=check.left_s())
-    rows = windows(out / "trainer", skip=2 if not smoke else 1)  # the first windows hold the compilation
+    last = steps - every  # the windows up to here; the trace falls in the last one, after its warm-up steps
+    warmup, active = (1, 1) if smoke else (2, 3)
+    trace = ["profile.enabled=true", f"profile.wait={last}", f"profile.warmup={warmup}", f"profile.active={active}"]
+    train(out / "trainer", "configs/gpt.yaml", *common, *trace, timeout=check.left_s())
+    rows = [r for r in windows(out / "trainer", skip=2 if not smoke else 1) if r["step"] <= last]
     bare = run([PY, str(ROOT / "bench" / "gpu_check.py"), str(out), "--bare-gpt", json.dumps(common)],
                check.left_s())
     fig = json.loads(bare.stdout.strip().splitlines()[-1])
     trainer = median(rows, "tokens_per_s")
     result = {"trainer_tokens_per_s": trainer, "trainer_mfu": median(rows, "mfu"),
               "trainer_peak_gib": max((r.get("peak_mem_gib", 0) for r in rows), default=None),
+              "trainer_data_wait_share": median(rows, "data_wait_share"),
               "bare_tokens_per_s": fig["tokens_per_s"], "bare_mfu": fig.get("mfu"),
               "bare_peak_gib": fig.get("peak_gib"),
+              "bare_compiled_loss_tokens_per_s": fig.get("compiled_loss_tokens_per_s"),
               "windows": [round(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]}
     if trainer and fig["tokens_per_s"]:
         result["trainer_over_bare"] = trainer / fig["tokens_per_s"]
+    traces = sorted((out / "trainer" / "profile").glob("rank0.*.pt.trace.json"))
+    if traces:
+        result["trainer_trace"] = trace_summary(traces[-1], steps=active)
     return result
+
+
+def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
+    """What a torch.profiler trace (Chrome JSON) says of its `steps` recorded steps: the wall time a step, the
+    GPU's busy share of the span its kernels cover (under 1: the host or a wait starves it), the kernels that
+    take the time, and the host's waits for the device (synchronizing CUDA calls)."""
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    step_events = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
+                   and e.get("cat") == "user_annotation"]
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
+    out: dict = {"step_ms": round(sum(e["dur"] for e in step_events) / max(len(step_events), 1) / 1e3, 2)}
+    if kernels:
+        busy, end = 0.0, None
+        for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
+            a, b = e["ts"], e["ts"] + e["dur"]
+            if end is None or a > end:
+                busy, end = busy + (b - a), b
+            elif b > end:
+                busy, end = busy + (b - end), b
+        first, last = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
+        out["gpu_busy_share"] = round(busy / max(last - first, 1e-9), 3)
+        out["gpu_ms_per_step"] = round(busy / steps / 1e3, 2)
+        by_name: dict[str, float] = {}
+        for e in kernels:
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+        total = sum(by_name.values())
+        out["kernels"] = [{"name": n[:90], "share": round(d / total, 3), "ms_per_step": round(d / steps / 1e3, 2)}
+                          for n, d in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
+        out["kernel_launches_per_step"] = len(kernels) // steps
+    waits: dict[str, list] = {}
+    for e in spans:
+        if e.get("cat") == "cuda_runtime" and any(w in e.get("name", "") for w in ("Synchronize", "Memcpy")):
+            w = waits.setdefault(e["name"], [0, 0.0])
+            w[0], w[1] = w[0] + 1, w[1] + e["dur"]
+    out["host_waits"] = {n: {"calls_per_step": c / steps, "ms_per_step": round(d / steps / 1e3, 2)}
+                         for n, (c, d) in sorted(waits.items(), key=lambda kv: -kv[1][1])[:6]}
+    return out
 
 
 def bare_gpt(overrides: list[str]) -> dict:
@@ -209,26 +260,31 @@ def bare_gpt(overrides: list[str]) -> dict:
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
 
-    def step():
+    def loss_of(model, batch):
         with torch.autocast(device.type, dtype=dtype, enabled=cfg.train.precision != "fp32"):
-            loss = task.loss(step_model, (inp, tgt))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return task.loss(model, batch)
 
-    steps = max(cfg.train.steps // 2, 2)
-    for _ in range(max(steps // 3, 1) if not cuda else 10):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    tokens_s = steps * batch * g.block_size / (time.perf_counter() - t)
+    def tokens_per_s(loss_fn) -> float:
+        def step():
+            loss_fn(step_model, (inp, tgt)).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps = max(cfg.train.steps // 2, 2)
+        for _ in range(max(steps // 3, 1) if not cuda else 10):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        return steps * batch * g.block_size / (time.perf_counter() - t)
+
+    tokens_s = tokens_per_s(loss_of)
     fig = {"tokens_per_s": tokens_s}
     if cuda:
         from train.observe.metrics import peak_flops
@@ -236,6 +292,9 @@ def bare_gpt(overrides: list[str]) -> dict:
         fig["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if peak := peak_flops(torch.cuda.get_device_name(), cfg.train.precision, True):
             fig["mfu"] = tokens_s / g.block_size * task.flops_per_sample(net) / peak
+        if cfg.train.compile:  # the loss (the 50,304-wide head's cross-entropy) compiled with the model
+            step_model = net
+            fig["compiled_loss_tokens_per_s"] = tokens_per_s(torch.compile(loss_of))
     return fig
 
 
@@ -351,7 +410,8 @@ def stage_hf(check: Check, out: Path) -> dict:
 def stage_fsdp_vs_ddp(check: Check, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "bench" / "gpu.py"),
-           "--lm", "--json", str(out / "lm.json"), *(["--smoke"] if check.smoke else ["--compile", "--steps", "20"])]
+           "--lm", "--json", str(out / "lm.json"), "--variants", "plain,ddp,fsdp,fsdp:blocks",
+           *(["--smoke"] if check.smoke else ["--compile", "--steps", "20"])]
     run(cmd, check.left_s())
     return json.loads((out / "lm.json").read_text())
 
@@ -426,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: a check of this script")
     p.add_argument("--budget-s", type=float, default=300, help="stages that would start after this are skipped")
     p.add_argument("--only", help="comma-separated stages to run (default: all, in order)")
+    p.add_argument("--tests", metavar="K", help="the tests stage runs the gpu tests that pytest -k K selects")
     p.add_argument("--bare-gpt", help=argparse.SUPPRESS)  # the bare loop, in a process of its own (stage_gpt)
     args = p.parse_args(argv)
     if args.bare_gpt:
@@ -443,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     check = Check(args.out, args.smoke, args.budget_s)
+    check.tests = args.tests
     for name, fn in STAGES:
         if only is None or name in only:
             check.stage(name, fn)

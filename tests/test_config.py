@@ -59,6 +59,8 @@ def test_config_round_trips_through_dict():
     (["train.precision=fp8"], "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
     (["optim.fused=1"], "optim.fused: 1 is not one of auto, true, false"),
     (["optim.fused=yes please"], "optim.fused: 'yes please' is not one of auto, true, false"),
+    (["optim.fused=true", "train.precision=fp16"], "torch's fused SGD updates its momentum on the steps fp16's loss "
+                                                    "scaling skips"),
     (["task.model=resnet19"], "did you mean 'resnet18'"),
     (["train.micro_batch_size=0"], "train.micro_batch_size must be > 0"),
     (["checkpoint.keep=1"], "checkpoint.keep must be >= 2"),

@@ -54,7 +54,7 @@ class OptimConfig:
     weight_decay: float = 5e-4  # not applied to biases and norm weights
     warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps, then cosine decay
     min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
-    fused: Literal["auto", True, False] = "auto"  # fused kernels; auto: where every parameter is on a GPU
+    fused: Literal["auto", True, False] = "auto"  # fused kernels; auto: every parameter on a GPU (fp16 SGD: not)
 
 
 @dataclass
@@ -421,6 +421,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     _require(0 <= o.momentum < 1, f"optim.momentum must be in [0, 1), got {o.momentum}")
+    _require(not (o.fused is True and o.name == "sgd" and o.momentum > 0 and cfg.train.precision == "fp16"),
+             "optim.fused=true with SGD's momentum and train.precision=fp16: torch's fused SGD updates its momentum on "
+             "the steps fp16's loss scaling skips (the loss turns NaN after the first overflow); set optim.fused=auto "
+             "(which does not fuse it there) or use train.precision=bf16")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")

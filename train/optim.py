@@ -15,14 +15,21 @@ import torch.nn as nn
 from train.config import OptimConfig
 
 
-def build(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build(cfg: OptimConfig, model: nn.Module, loss_scaling: bool = False) -> torch.optim.Optimizer:
+    """AdamW or SGD over `model`'s parameters. `loss_scaling`: fp16's GradScaler will skip the steps whose
+    gradients overflow."""
     # Weight decay on weight matrices and kernels only, not on biases and norm scales.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # optim.fused: one kernel for all parameters' update (GPUs); otherwise torch's default, foreach kernels on
     # a GPU and one parameter at a time on the CPU (what CPU runs always did: their numbers are unchanged).
-    fused = cfg.fused if cfg.fused != "auto" else all(p.device.type == "cuda" for p in [*decay, *no_decay])
+    # Not SGD with momentum under loss scaling: torch's fused SGD (2.11 to 2.15 at least) advances its momentum on a
+    # step the GradScaler skips (an overflow, routine in fp16's first steps), and the weights turn NaN a step later;
+    # fused AdamW leaves its state alone on such a step. (config.validate refuses optim.fused=true there.)
+    unsafe = cfg.name == "sgd" and cfg.momentum > 0 and loss_scaling
+    fused = cfg.fused if cfg.fused != "auto" else (
+        not unsafe and all(p.device.type == "cuda" for p in [*decay, *no_decay]))
     kernels = {"fused": True} if fused else {}
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,

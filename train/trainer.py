@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import hashlib
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class Parts:
     device: torch.device
     world_size: int
     raw: nn.Module  # the model: what checkpoints hold and evaluation runs (under FSDP: sharded in place)
-    wrapped: nn.Module  # DDP(raw), or raw itself under FSDP (train/parallel/wrapping.py)
+    wrapped: nn.Module  # DDP(raw), or raw itself under FSDP and in one process (train/parallel/wrapping.py)
     step_model: nn.Module  # wrapped, or torch.compile(wrapped)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -244,6 +245,9 @@ def configure_torch(cfg: Config) -> None:
     torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     torch.backends.cudnn.benchmark = not cfg.train.deterministic
     if cfg.train.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace (torch refuses its matmuls otherwise); read when
+        # its first handle is made, after this. A value the user set stays.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 
@@ -282,7 +286,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts
     torch.manual_seed(rank_seed)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     return Parts(cfg=cfg, task=task, device=device, world_size=denv.world_size, raw=raw, wrapped=wrapped,
-                 step_model=step_model, optimizer=optim.build(cfg.optim, raw), scaler=scaler,
+                 step_model=step_model, optimizer=optim.build(cfg.optim, raw, scaler.is_enabled()), scaler=scaler,
                  stream=stream, eval_loader=eval_loader, log=log,
                  stop=StopRequest(cfg.checkpoint.signal), markers=Markers(cfg.run_dir, denv.rank),
                  window_loss=torch.zeros((), device=device), loads=loads)
