@@ -87,15 +87,15 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
     net = wrapping.whole_model(task, device, 0)
     seq, vocab = task.gpt_config().block_size, task.gpt_config().vocab_size
     opt = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda")
-    step_model = torch.compile(net) if compile_ else net
     x = torch.randint(0, vocab, (batch, seq + 1), device=device)
     batch_ = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
 
     def loss():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return task.loss(step_model, batch_)
+            return task.loss(net, batch_)
 
-    windows_per_s = batch / seconds_per_step(loss, opt, steps, device, warmup)
+    # compiled with its loss, as train.compile does (the output layer's softmax and casts fuse with the model)
+    windows_per_s = batch / seconds_per_step(torch.compile(loss) if compile_ else loss, opt, steps, device, warmup)
     peak = peak_flops(torch.cuda.get_device_name(device), "bf16", True) if device.type == "cuda" else None
     mfu = windows_per_s * task.flops_per_sample(net) / peak if peak else None
     return windows_per_s * seq, mfu
@@ -106,40 +106,34 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     """Tokens/s over all ranks and the largest peak of allocated memory of any rank (0 on CPU)."""
     import torch.distributed as dist
 
-    from train import config, optim
+    from train import config, optim, trainer
     from train.parallel import wrapping
 
     cuda, world = device.type == "cuda", dist.get_world_size()
-    base, _, how = strategy.partition(":")  # "fsdp:blocks": each block compiled on its own, not the whole model
     cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", f"task.seq_len={seq}",
-                                           "optim.name=adamw", "train.precision=bf16",
-                                           f"dist.strategy={'fsdp' if base == 'fsdp' else 'ddp'}"])
+                                           "optim.name=adamw", "train.precision=bf16", f"train.compile={compile_}",
+                                           f"dist.strategy={'fsdp' if strategy == 'fsdp' else 'ddp'}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model()  # on the meta device: given its memory as the trainer does
-    if base != "fsdp":
+    if strategy != "fsdp":
         wrapping.materialize(net, task, device, 0)
-    if compile_ and how == "blocks":
-        for block in task.blocks(net):
-            block.compile()
-    if base == "ddp":  # DDP itself, also on one process (where the trainer trains the plain model)
+    if strategy == "ddp":  # DDP itself, also on one process (where the trainer trains the plain model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
     else:
         wrapped = wrapping.wrap(cfg, task, net, device)  # plain: one process's DDP strategy, the model itself
-    if base == "fsdp":
+    if strategy == "fsdp":
         wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
-    step_model = torch.compile(wrapped) if compile_ and how != "blocks" else wrapped  # as train.compile does
+    step_loss = trainer.step_loss_fn(cfg, task, wrapped, device)  # compiled as the trainer compiles (train.compile)
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = task.loss(step_model, (inp, tgt))
-        loss.backward()
+        step_loss((inp, tgt)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -178,7 +172,7 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = Fal
                  "lm_micro_batch": batch, "lm_seq_len": seq, "lm_compile": compile_}
     done = []
     for strategy in variants:
-        name = strategy.replace(":", "_")
+        name = strategy
         try:
             tokens_s, peak = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
         except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
@@ -206,8 +200,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="seconds, on CPU: tiny sizes, no compile")
     p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
     p.add_argument("--micro-batch", type=int, default=16, help="--lm: windows of 1024 tokens a GPU a step")
-    p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself), ddp, fsdp, and "
-                   "ddp:blocks, fsdp:blocks (each block compiled on its own instead of the whole model)")
+    p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself, as one process trains), "
+                   "ddp, fsdp")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--json")
     args = p.parse_args()

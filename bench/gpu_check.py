@@ -4,7 +4,8 @@ on the CPU, seconds each, so the script is known to work before a GPU is there).
     python bench/gpu_check.py OUT_DIR [--smoke] [--budget-s 300]
 
 Stages, in order of value; each writes OUT_DIR/gpu_check.json again as soon as it ends, so a run cut short keeps what
-it measured (a stage that fails records its error and the next one runs):
+it measured (a stage that fails records its error and the next one runs). The three that check results, not speed
+(tests, stop_relaunch, hf), run at the same time first; then the timed ones, one at a time:
   tests         the gpu-marked tests (pytest -m gpu)
   gpt           GPT-2 124M, 16 x 1024 tokens, bf16, compile: `python -m train` against a bare loop of the same model
                 and optimizer (train/optim.py's AdamW) in the same run; tokens/s, MFU, peak memory
@@ -33,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,15 +52,17 @@ class Check:
     def __init__(self, out: Path, smoke: bool, budget_s: float):
         self.out, self.smoke, self.deadline = out, smoke, time.monotonic() + budget_s
         self.tests: str | None = None  # pytest -k for the tests stage (default: every gpu test)
+        self.lock = threading.RLock()
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "gpu_check.json"
         self.figures: dict = {"machine": machine(), "smoke": smoke, "stages": {}}
         self.write()
 
     def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.figures, indent=2) + "\n")
-        os.replace(tmp, self.path)
+        with self.lock:  # stages that run together (AT_ONCE) write from their threads
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.figures, indent=2) + "\n")
+            os.replace(tmp, self.path)
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -76,8 +80,9 @@ class Check:
             except Exception as e:  # recorded; the next stage runs
                 result = {"error": f"{type(e).__name__}: {e}"[-2000:], "traceback": traceback.format_exc()[-4000:]}
         result["seconds"] = round(time.monotonic() - t, 1)
-        self.figures["stages"][name] = result
-        self.write()
+        with self.lock:
+            self.figures["stages"][name] = result
+            self.write()
         print(f"   {name}: {json.dumps({k: v for k, v in result.items() if k != 'traceback'})[:600]}", flush=True)
 
 
@@ -189,7 +194,6 @@ def stage_gpt(check: Check, out: Path) -> dict:
               "trainer_data_wait_share": median(rows, "data_wait_share"),
               "bare_tokens_per_s": fig["tokens_per_s"], "bare_mfu": fig.get("mfu"),
               "bare_peak_gib": fig.get("peak_gib"),
-              "bare_compiled_loss_tokens_per_s": fig.get("compiled_loss_tokens_per_s"),
               "windows": [round(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]}
     if trainer and fig["tokens_per_s"]:
         result["trainer_over_bare"] = trainer / fig["tokens_per_s"]
@@ -242,7 +246,7 @@ def bare_gpt(overrides: list[str]) -> dict:
     already on the device, no loader, no logging, no stop agreement; CUDA events around the timed steps."""
     import torch
 
-    from train import config, optim
+    from train import config, optim, trainer
     from train.parallel import wrapping
 
     cfg = config.load("configs/gpt.yaml", overrides)
@@ -253,38 +257,31 @@ def bare_gpt(overrides: list[str]) -> dict:
     task = cfg.task_class(cfg.task, 0)
     net = wrapping.whole_model(task, device, 0)
     opt = optim.build(cfg.optim, net)
-    step_model = torch.compile(net) if cfg.train.compile else net
     g = task.gpt_config()
     batch = cfg.train.micro_batch_size
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
 
-    def loss_of(model, batch):
-        with torch.autocast(device.type, dtype=dtype, enabled=cfg.train.precision != "fp32"):
-            return task.loss(model, batch)
+    step_loss = trainer.step_loss_fn(cfg, task, net, device)  # the model and the loss compiled, as the trainer
 
-    def tokens_per_s(loss_fn) -> float:
-        def step():
-            loss_fn(step_model, (inp, tgt)).backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step():
+        step_loss((inp, tgt)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        steps = max(cfg.train.steps // 2, 2)
-        for _ in range(max(steps // 3, 1) if not cuda else 10):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-        return steps * batch * g.block_size / (time.perf_counter() - t)
-
-    tokens_s = tokens_per_s(loss_of)
+    steps = max(cfg.train.steps // 2, 2)
+    for _ in range(max(steps // 3, 1) if not cuda else 10):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    tokens_s = steps * batch * g.block_size / (time.perf_counter() - t)
     fig = {"tokens_per_s": tokens_s}
     if cuda:
         from train.observe.metrics import peak_flops
@@ -292,9 +289,6 @@ def bare_gpt(overrides: list[str]) -> dict:
         fig["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if peak := peak_flops(torch.cuda.get_device_name(), cfg.train.precision, True):
             fig["mfu"] = tokens_s / g.block_size * task.flops_per_sample(net) / peak
-        if cfg.train.compile:  # the loss (the 50,304-wide head's cross-entropy) compiled with the model
-            step_model = net
-            fig["compiled_loss_tokens_per_s"] = tokens_per_s(torch.compile(loss_of))
     return fig
 
 
@@ -350,16 +344,26 @@ def stage_stop_relaunch(check: Check, out: Path) -> dict:
     opts = ["task.model=nano" if smoke else "task.model=tiny", "train.steps=12", "train.log_every=1",
             "checkpoint.every=1", "checkpoint.async=true", "checkpoint.keep=3", "train.deterministic=true",
             "data.num_workers=0", "train.precision=fp32" if smoke else "train.precision=bf16"]
-    result = {}
-    for strategy in ("ddp", "fsdp"):
-        ref, seg = out / strategy / "ref", out / strategy / "stopped"
-        head = [*LAUNCH, "--config", "configs/gpt.yaml", *QUIET, *opts, f"dist.strategy={strategy}"]
-        run([*head, f"run.dir={ref}"], check.left_s())
-        stopped = _stopped_and_relaunched(check, seg, [*head, f"run.dir={seg}"], 4)
+    def strategy(name: str) -> dict:
+        ref, seg = out / name / "ref", out / name / "stopped"
+        head = [*LAUNCH, "--config", "configs/gpt.yaml", *QUIET, *opts, f"dist.strategy={name}"]
+        stopped = together(lambda: run([*head, f"run.dir={ref}"], check.left_s()),
+                           lambda: _stopped_and_relaunched(check, seg, [*head, f"run.dir={seg}"], 4))[1]
         saves = len([line for line in (seg / "logs" / "rank0.log").read_text().splitlines() if " INFO saved " in line])
-        result[strategy] = {"stopped_at": stopped, "saves": saves, **_compare(ref, seg)}
-    result["equal"] = all(result[s]["equal"] for s in ("ddp", "fsdp"))
-    return result
+        return {"stopped_at": stopped, "saves": saves, **_compare(ref, seg)}
+
+    ddp, fsdp = together(lambda: strategy("ddp"), lambda: strategy("fsdp"))
+    return {"ddp": ddp, "fsdp": fsdp, "equal": ddp["equal"] and fsdp["equal"]}
+
+
+def together(*calls):
+    """Run `calls` at once (threads: each waits on a process of its own); their results in order, or the first
+    error. For the stages that check equality, not speed: the GPU and the machine's cores have room for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+        return [f.result() for f in futures]
 
 
 def stage_hf(check: Check, out: Path) -> dict:
@@ -392,9 +396,9 @@ def stage_hf(check: Check, out: Path) -> dict:
             "train.precision=fp32" if check.smoke else "train.precision=bf16", "dist.strategy=fsdp"]
     head = LAUNCH
     ref, seg = out / "ref", out / "stopped"
-    proc = run([*head, *opts, f"run.dir={ref}"], check.left_s())
+    proc, stopped = together(lambda: run([*head, *opts, f"run.dir={ref}"], check.left_s()),
+                             lambda: _stopped_and_relaunched(check, seg, [*head, *opts, f"run.dir={seg}"], 3))
     started = "the first step starts from the weights" in proc.stdout + proc.stderr
-    stopped = _stopped_and_relaunched(check, seg, [*head, *opts, f"run.dir={seg}"], 3)
     same = _compare(ref, seg)
     if export.main([str(ref), "--format", "hf"]) != 0:
         raise RuntimeError("python -m train.export failed")
@@ -410,7 +414,7 @@ def stage_hf(check: Check, out: Path) -> dict:
 def stage_fsdp_vs_ddp(check: Check, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "bench" / "gpu.py"),
-           "--lm", "--json", str(out / "lm.json"), "--variants", "plain,ddp,fsdp,fsdp:blocks",
+           "--lm", "--json", str(out / "lm.json"), "--variants", "plain,ddp,fsdp",
            *(["--smoke"] if check.smoke else ["--compile", "--steps", "20"])]
     run(cmd, check.left_s())
     return json.loads((out / "lm.json").read_text())
@@ -421,10 +425,10 @@ def _image_run(check: Check, run_dir: Path, *overrides: str) -> dict:
     size = ["task.model=resnet18", "task.image_size=16", "train.global_batch_size=4", "train.micro_batch_size=4",
             "train.steps=4", "train.log_every=1", "train.precision=fp32"] if smoke else \
         ["task.model=resnet50", "task.image_size=224", "task.num_classes=1000", "train.global_batch_size=256",
-         "train.micro_batch_size=256", "train.steps=50", "train.log_every=10", "train.precision=bf16"]
+         "train.micro_batch_size=256", "train.steps=40", "train.log_every=10", "train.precision=bf16"]
     train(run_dir, "configs/default.yaml", *size, "train.channels_last=true", "train.eval_every=0",
-          "checkpoint.every=0", "task.eval_samples=64" if smoke else "task.eval_samples=512",
-          "task.train_samples=64" if smoke else "task.train_samples=4096", *overrides, timeout=check.left_s())
+          "checkpoint.every=0", "task.eval_samples=64" if smoke else "task.eval_samples=256",
+          "task.train_samples=64" if smoke else "task.train_samples=2560", *overrides, timeout=check.left_s())
     rows = windows(run_dir, skip=1 if smoke else 2)
     return {"images_per_s": median(rows, "samples_per_s"), "data_wait_share": median(rows, "data_wait_share"),
             "peak_gib": max((r.get("peak_mem_gib", 0) for r in rows), default=None)}
@@ -475,6 +479,7 @@ def stage_memory(check: Check, out: Path) -> dict:
     return peaks
 
 
+AT_ONCE = {"tests", "stop_relaunch", "hf"}  # results, not speed: run together, before the timed stages
 STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_stop_relaunch), ("hf", stage_hf),
           ("fsdp_vs_ddp", stage_fsdp_vs_ddp), ("resnet50", stage_resnet50), ("imagefolder", stage_imagefolder),
           ("memory", stage_memory)]
@@ -505,9 +510,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     check = Check(args.out, args.smoke, args.budget_s)
     check.tests = args.tests
-    for name, fn in STAGES:
-        if only is None or name in only:
-            check.stage(name, fn)
+    chosen = [(name, fn) for name, fn in STAGES if only is None or name in only]
+    checks = [(n, f) for n, f in chosen if n in AT_ONCE]
+    if checks:  # the stages that check results, not speed, run together: minutes saved
+        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])
+    for name, fn in chosen:
+        if name not in AT_ONCE:
+            check.stage(name, fn)  # the timed stages one at a time, with the machine to themselves
+    check.figures["stages"] = {n: check.figures["stages"][n] for n, _ in chosen}  # in the order of value
+    check.write()
     print(f"wrote {check.path}")
     return 0
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from train import config  # noqa: E402
 from train.parallel import data  # noqa: E402
+from train.tasks import image  # noqa: E402
 
 TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "train.global_batch_size=16",
         "train.micro_batch_size=8", "train.log_every=1", "train.steps=6", "checkpoint.every=0",
@@ -89,7 +90,7 @@ def loader_starts(repeats: int, out: dict) -> None:
     labels = torch.randint(10, (big_n,))
     times = {"fork": [], "forkserver, new tensor": [], "forkserver, same tensor again": []}
     for _ in range(repeats):
-        big = data.ArrayDataset(torch.randint(0, 256, (big_n, 3, 32, 32), dtype=torch.uint8), labels, False, 0)
+        big = image.ArrayDataset(torch.randint(0, 256, (big_n, 3, 32, 32), dtype=torch.uint8), labels, False)
         big_keys = [(i, 0) for i in range(0, big_n, 1000)]
         times["fork"].append(first_batch(big, big_keys, 1, ctx["fork"]))
         times["forkserver, new tensor"].append(first_batch(big, big_keys, 1, ctx["forkserver"]))

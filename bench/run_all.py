@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md: `make bench` (or `--smoke`: seconds each, as CI does).
 
-    python bench/run_all.py [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE]
+    python bench/run_all.py [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE [--gpu-only]]
 
 The GPU figures come from bench/gpu.py where a GPU is present, or from --gpu-json: the JSON that
 `bench/gpu.py --json` wrote on a GPU machine, or `make gpu-check`'s gpu_check.json (a GPU table of its own, the
@@ -89,13 +89,18 @@ GPU_ROWS = [
     ("gpt", "trainer_over_bare", "  python -m train / the bare loop", ">= 0.98", lambda v: v >= 0.98),
     ("gpt", "trainer_mfu", "  MFU through python -m train", ">= 0.40", lambda v: v >= 0.40),
     ("gpt", "trainer_peak_gib", "  peak memory, GiB", "", None),
+    ("gpt", "trainer_data_wait_share", "  data wait share", "", None),
+    ("gpt", "trainer_trace.gpu_busy_share", "  the GPU's busy share in a torch.profiler trace", "", None),
+    ("gpt", "bare_compiled_loss_tokens_per_s", "  the bare loop, its loss compiled with the model, tokens/s", "", None),
     ("stop_relaunch", "ddp.equal", "stopped and relaunched = never stopped, bitwise, DDP, async save every step",
      "yes", lambda v: v is True),
     ("stop_relaunch", "fsdp.equal", "  the same under FSDP", "yes", lambda v: v is True),
     ("hf", "equal", "Hugging Face Llama, FSDP, bf16, from the folder: stopped and relaunched = never stopped", "yes",
      lambda v: v is True),
     ("hf", "export_loads", "  exported and loaded by transformers", "yes", lambda v: v is True),
-    ("fsdp_vs_ddp", "lm_ddp_tokens_per_s", "GPT-2 124M on one GPU, 16 x 1024, compile: DDP tokens/s", "", None),
+    ("fsdp_vs_ddp", "lm_plain_tokens_per_s", "GPT-2 124M on one GPU, 16 x 1024, compile: the model alone, tokens/s",
+     "", None),
+    ("fsdp_vs_ddp", "lm_ddp_tokens_per_s", "  DDP tokens/s", "", None),
     ("fsdp_vs_ddp", "lm_fsdp_tokens_per_s", "  FSDP tokens/s", "", None),
     ("fsdp_vs_ddp", "lm_fsdp_over_ddp_speed", "  FSDP / DDP", ">= 0.9", lambda v: v >= 0.9),
     ("resnet50", "eager.images_per_s", "ResNet-50 224 px bf16 channels_last through python -m train, images/s", "",
@@ -135,6 +140,21 @@ def gpu_check_lines(check: dict, source: str) -> list[str]:
     return lines
 
 
+def gpu_table_only(out: Path, source: str | None) -> int:
+    """BENCHMARKS.md with its GPU table (from make gpu-check's JSON) written again, the rest as it was."""
+    if not source:
+        print("error: --gpu-only needs --gpu-json FILE (make gpu-check's gpu_check.json)", file=sys.stderr)
+        return 2
+    check = json.loads(Path(source).read_text())
+    lines = out.read_text().splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("## GPU (`make gpu-check`")), None)
+    tail = next(i for i, line in enumerate(lines) if line.startswith("![ratios"))
+    keep = lines[:head - 1 if head is not None else tail - 1]
+    out.write_text("\n".join([*keep, *gpu_check_lines(check, source), "", *lines[tail:], ""]))
+    print(f"wrote the GPU table of {out}")
+    return 0
+
+
 def fmt(v) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -167,7 +187,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--gpu-json", help="figures from `bench/gpu.py --json` or `make gpu-check` on a GPU machine")
+    p.add_argument("--gpu-only", action="store_true", help="with --gpu-json FILE from make gpu-check: only "
+                   "BENCHMARKS.md's GPU table is written again (the CPU figures are kept; nothing runs)")
     args = p.parse_args()
+    if args.gpu_only:
+        return gpu_table_only(Path(args.out), args.gpu_json)
     figures: dict = {}
     gpu_check: dict | None = None
     gpu_note = "measured here"

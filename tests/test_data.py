@@ -83,7 +83,7 @@ def test_the_augmentation_flips_half_of_the_images():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as torchrun sets a rank (OMP_NUM_THREADS=1): 2 threads padding tiny images cost 10x
     try:
-        images = torch.stack([x for x, _ in samples.__getitems__([(0, epoch) for epoch in range(n)])])
+        images = torch.stack([x for x, _ in samples.__getitems__([(0, epoch) for epoch in range(n)])]).float()
     finally:
         torch.set_num_threads(threads)
     flipped = images[..., :8].mean((1, 2, 3)) > images[..., 8:].mean((1, 2, 3))  # a crop keeps the direction

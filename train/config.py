@@ -67,7 +67,7 @@ class TrainConfig:
     log_every: int = 10  # steps between log lines (loss, throughput)
     eval_every: int = 0  # 0: only at the end
     channels_last: bool = False  # images in channels_last memory format (faster convolutions on GPUs)
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model with the task's loss (DDP: the DDP module)
     tf32: bool = True  # TF32 matmuls and convolutions on GPUs that have them
     deterministic: bool = False  # deterministic kernels (slower on GPU; CPU is deterministic anyway)
     activation_checkpointing: bool = False  # recompute each of the task's blocks in the backward (less memory)

@@ -239,10 +239,10 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
 
 def to_device(parts, batch):
     """A collated batch (tensors, or tuples, lists and dicts of them) on the device of `parts` (the trainer's
-    Parts); images (4-D floating tensors) in channels_last when train.channels_last is set."""
+    Parts); images (4-D tensors, floats or uint8 pixels) in channels_last when train.channels_last is set."""
     if torch.is_tensor(batch):
         fmt = (torch.channels_last if parts.cfg.train.channels_last and batch.dim() == 4
-               and batch.is_floating_point() else torch.contiguous_format)
+               else torch.contiguous_format)
         return batch.to(parts.device, non_blocking=True, memory_format=fmt)
     if isinstance(batch, dict):
         return {k: to_device(parts, v) for k, v in batch.items()}

@@ -138,6 +138,11 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def replicated(model: nn.Module) -> bool:
+    """Whether `model` is wrapped by DDP (several processes, dist.strategy=ddp)."""
+    return isinstance(model, DDP)
+
+
 def sharded(model: nn.Module) -> bool:
     """Whether `model` was sharded by fully_shard (its parameters are DTensors)."""
     from torch.distributed.fsdp import FSDPModule
