@@ -171,3 +171,13 @@ def test_the_hf_task_exports_a_folder_whose_architectures_is_null(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     assert hf_models.logits_of(tmp_path / "hf", tokens).isfinite().all()
+
+
+def test_a_max_shard_size_that_is_no_size_or_for_pt_is_one_line_exit_2(tmp_path, counted_run):
+    for args, says in ((["--format", "hf", "--max-shard-size", "5XB"], "--max-shard-size 5XB: give a size such as "
+                                                                       "5GB or 100MB"),
+                       (["--format", "hf", "--max-shard-size", "0MB"], "--max-shard-size 0MB: give a size"),
+                       (["--max-shard-size", "1GB"], "--max-shard-size splits --format hf's safetensors files")):
+        proc = export(counted_run, *args, "--out", tmp_path / "out")
+        assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -221,9 +221,6 @@ class CausalLM(Task):
                     tensors[f"{prefix}.{key}" if prefix else key] = HFTensor(f"{prefix}.{key}" if prefix else key)
         folder = Path(self.cfg.path)
         config = {k: v for k, v in self.folder_config().items() if k not in ("dtype", "torch_dtype")}
-        if not (isinstance(config.get("architectures"), list) and config["architectures"]
-                and all(isinstance(a, str) for a in config["architectures"])):
-            config["architectures"] = [type(self.skeleton()).__name__]  # null or missing: the class trained
         files = beside_weights(folder)
         # the files of the base model (GPT-2 as the Hub stores it: wte.weight, h.0...) leave its prefix out
         prefix = getattr(model, "base_model_prefix", "") or ""
