@@ -1,12 +1,15 @@
 """Weights in and out: `init_from` (the first step's weights from a local Hugging Face folder or from another
 run's checkpoint) and the Hugging Face folder that `python -m train.export --format hf` writes.
 
-Both go through torch.distributed.checkpoint (DCP): its Hugging Face storage reader and writer for
-safetensors folders, this project's own reader for its checkpoints. A model spread over the ranks (FSDP2's
-shards) is read straight into each rank's shards: no rank holds the whole model. The task says how its
-tensors are named and laid out in Hugging Face files (Task.hf_model: a key mapping, GPT-2's transposed
-Conv1D weights, a vocabulary padded for speed); nothing else is written by hand. Nothing is downloaded:
-a path is a local folder (compute nodes have no network; copy the model there first).
+Reads go through torch.distributed.checkpoint (DCP): its Hugging Face storage reader for safetensors folders,
+this project's own reader for its checkpoints. A model spread over the ranks (FSDP2's shards) is read straight
+into each rank's shards: no rank holds the whole model. The export reads its checkpoint one output file at a
+time and writes each with safetensors' save_file (which writes from the tensors' memory, where DCP's Hugging
+Face writer serializes a whole file to bytes first: twice the file), split and named by huggingface_hub's
+split_torch_state_dict_into_shards, as transformers' save_pretrained does. The task says how its tensors are
+named and laid out in Hugging Face files (Task.hf_model: a key mapping, GPT-2's transposed Conv1D weights, a
+vocabulary padded for speed); nothing else is written by hand. Nothing is downloaded: a path is a local folder
+(compute nodes have no network; copy the model there first).
 """
 
 from __future__ import annotations
