@@ -23,7 +23,8 @@ from pathlib import Path
 
 from _util import PY, ROOT
 
-BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "gpu"]
+BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "export_memory",
+           "gpu"]
 # --smoke: throughput.py's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead.py's.
 SHARED = {"overhead": ("--runs-dir", "overhead"), "throughput": ("--imagefolder-run", "overhead/ours0")}
 
@@ -62,6 +63,12 @@ ROWS = [
     ("  peak RSS per rank / M, built on the meta device", "build_peak_over_m_meta", "<= 0.75",
      lambda v: v <= 0.75),
     ("  peak RSS per rank / M, built whole on the CPU (as before)", "build_peak_over_m_cpu", "", None),
+    ("export --format hf of a model of M bytes (the GPT, 200M parameters, trained under FSDP on 2 gloo ranks) to "
+     "100 MB files: M, MiB", "export_model_mib", "", None),
+    ("  peak RSS above the start / M (after the imports)", "export_peak_over_m", "<= 0.3", lambda v: v <= 0.3),
+    ("  the largest file, MiB", "export_largest_file_mib", "", None),
+    ("  the imports before the start (transformers' GPT-2 modeling), MiB", "export_imports_mib", "", None),
+    ("  from_pretrained gives the trained logits", "export_logits_equal", "yes", lambda v: v is True),
     ("recovery after SIGKILL of a worker: total, s", "recovery_total_s", "", None),
     ("  detection, s", "recovery_detection_s", "", None),
     ("  restart (stop group + rendezvous), s", "recovery_restart_s", "", None),

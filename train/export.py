@@ -1,17 +1,26 @@
-"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--dtype D] [--out PATH] [--force]: a checkpoint's model.
+"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--dtype D] [--max-shard-size S] [--out PATH] [--force]
 
 --format pt (the default): one plain file, the model's state dict (parameter and buffer names -> tensors)
 written by torch.save, that any process loads with torch.load(FILE, weights_only=True), without this
-package, e.g. into the task's model with load_state_dict. Default: RUN_DIR/export/step_XXXXXXXX.pt.
---format hf: a Hugging Face model folder (config.json, safetensors, and the tokenizer of the folder the run
-started from, if any) that transformers' AutoModelForCausalLM.from_pretrained loads, and so vLLM,
-lm-eval-harness and the Hub; for tasks that say how (Task.hf_model: the built-in GPT as GPT2LMHeadModel, the
-Hugging Face task as its own architecture). Default: RUN_DIR/export/step_XXXXXXXX-hf/.
---dtype: the tensors' type in the files (default: as trained, fp32).
+package, e.g. into the task's model with load_state_dict. It reads the whole model into host memory (the
+checkpoint's files by DCP, in this one process). Default: RUN_DIR/export/step_XXXXXXXX.pt.
+--format hf: a Hugging Face model folder that transformers' AutoModelForCausalLM.from_pretrained loads, and so
+vLLM, lm-eval-harness and the Hub; for tasks that say how (Task.hf_model: the built-in GPT as
+GPT2LMHeadModel, the Hugging Face task as its own architecture). config.json, the safetensors files as
+transformers' save_pretrained splits and names them (model.safetensors, or model-00001-of-0000N.safetensors
+and model.safetensors.index.json beyond --max-shard-size, 5GB by default), and the files of the folder the run
+started from (task.path, task.init_from: its tokenizer, its generation_config.json). The files' keys and
+shapes are checked against the checkpoint and against the model transformers builds from that config.json
+(on the meta device) before anything is written. One file at a time is read from the checkpoint (DCP, only
+its tensors), cast, written and freed: the export holds one file's tensors, whatever the model's size.
+Default: RUN_DIR/export/step_XXXXXXXX-hf/.
+--dtype: the floating tensors' type in the files (default: as trained, fp32); integer and bool tensors keep
+theirs.
 
-The checkpoint (the latest, or that of step N) is checked (its files' CRC-32s) and read by DCP in this one
-process, whatever the number of ranks that saved it: it needs the model's size in host memory. A bad
-RUN_DIR, no checkpoint or no checkpoint of step N, a task without a Hugging Face form: one line, exit 2.
+The checkpoint (the latest, or that of step N) is checked (its files' CRC-32s) and read in this one
+process, whatever the number of ranks that saved it. A bad RUN_DIR, no checkpoint or no checkpoint of step N, a
+task without a Hugging Face form, a checkpoint or a config.json that does not fit the model: one line, exit 2,
+nothing written.
 
 Nothing this command did not write is deleted or overwritten. An export leaves a marker (MARKER inside the
 folder; .NAME.train-export.json beside a pt file) listing its files, so the same export is replaced again
@@ -33,10 +42,11 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from train import config
-from train.checkpoint.dcp_io import error_text, read_state
-from train.checkpoint.storage import TRAINER, complete_checkpoints, convert_hint, old_checkpoints
+from train.checkpoint.dcp_io import Reader, error_text, read_state
+from train.checkpoint.storage import TRAINER, complete_checkpoints, convert_hint, old_checkpoints, verify
 from train.config import OneLineParser, UsageError
 from train.errors import ConfigError
 
@@ -54,7 +64,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--format", choices=("pt", "hf"), default="pt",
                    help="pt: one torch.save file; hf: a Hugging Face model folder")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="the tensors' type (default: as trained)")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="the floating tensors' type (default: as trained); integer and bool tensors keep theirs")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="--format hf: the largest safetensors file, as transformers' save_pretrained takes it "
+                        "(e.g. 5GB, the default, or 100MB: units of 1000); beyond it, files "
+                        "model-00001-of-0000N.safetensors and model.safetensors.index.json. The export holds one "
+                        "file's tensors at a time (--format pt holds the whole model)")
     p.add_argument("--out", metavar="PATH",
                    help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt, or step_XXXXXXXX-hf/ for --format "
                         "hf); an existing PATH is replaced only if it is an export this command wrote (unchanged), "
@@ -87,7 +103,7 @@ def find(run_dir: Path, step: int | None) -> Path:
 
 def hf_form(run_config: dict, path: Path):
     """The task's Hugging Face form of its model (Task.hf_model), from the config the checkpoint was trained
-    with; UsageError where the task has none."""
+    with, and the model (on meta where the task builds it there); UsageError where the task has none."""
     try:
         cfg = config.from_dict(run_config)
         task = cfg.task_class(cfg.task, cfg.seed)
@@ -98,16 +114,56 @@ def hf_form(run_config: dict, path: Path):
     if hf is None:
         raise UsageError(f"checkpoint {path}: task {cfg.task_name} has no Hugging Face form (its hf_model() returns "
                          f"None): export it with --format pt")
-    return hf
+    return hf, model
+
+
+def shard_size(given: str | None) -> int:
+    """--max-shard-size in bytes, read as transformers' save_pretrained reads max_shard_size."""
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+    except ImportError as e:
+        raise UsageError(f"--format hf needs huggingface_hub and safetensors ({e}): pip install -r "
+                         f"requirements-hf.txt") from None
+    try:
+        size = parse_size_to_int(given or "5GB")
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise UsageError(f"--max-shard-size {given}: give a size such as 5GB or 100MB (KB, MB, GB, TB: powers of "
+                         f"1000, as transformers' max_shard_size)")
+    return size
+
+
+def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int):
+    """The hf export of checkpoint `path`, planned and checked (pretrained.hf_export) from the checkpoint's
+    metadata alone: UsageError where it does not fit, before anything is read or written."""
+    from train.checkpoint.pretrained import hf_export
+
+    hf, model = hf_form(cfg, path)
+    try:
+        verify(path)
+    except ValueError as e:
+        raise UsageError(f"checkpoint {path} {e}") from None
+    try:
+        metadata = Reader(path).read_metadata()
+    except Exception as e:
+        raise UsageError(f"checkpoint {path} does not load ({error_text(e)})") from None
+    stored = {fqn.removeprefix("model."): (md.size, md.properties.dtype)
+              for fqn, md in metadata.state_dict_metadata.items()
+              if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    try:
+        return hf_export(hf, model, stored, dtype, max_shard_size)
+    except ValueError as e:
+        raise UsageError(f"checkpoint {path} {e}: nothing written") from None
 
 
 # ---------------------------------------------------------------- what --out may replace
 
-def run_config(path: Path) -> dict:
-    """The config the checkpoint was trained with (its trainer.pt alone: small), read before its tensors so
+def trainer_file(path: Path) -> dict:
+    """The checkpoint's trainer.pt (small): the config it was trained with, its step; read before its tensors so
     that a refused --out costs no read of the model."""
     try:
-        return torch.load(path / TRAINER, map_location="cpu", weights_only=True)["config"]
+        return torch.load(path / TRAINER, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"checkpoint {path} does not load ({error_text(e)})") from None
 
@@ -277,32 +333,36 @@ def save_pt(weights: dict, tmp: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
+        if args.max_shard_size is not None and args.format != "hf":
+            raise UsageError("--max-shard-size splits --format hf's safetensors files; --format pt writes one file")
         path = find(Path(args.run_dir), args.step)
         checkpoints = path.parent
         run = checkpoints.parent if checkpoints.name == "checkpoints" else checkpoints
         default = run / "export" / (f"{path.name}-hf" if args.format == "hf" else f"{path.name}.pt")
         given = Path(args.out) if args.out else default
-        cfg = run_config(path)
+        state = trainer_file(path)
+        cfg, step, dtype = state["config"], state["step"], DTYPES.get(args.dtype)
         out = check_out(given, args.format, args.force, run.resolve(), checkpoints.resolve(), cfg, default)
-        hf = hf_form(cfg, path) if args.format == "hf" else None
-        try:
-            state = read_state(path, keys=("model",))
-        except ValueError as e:
-            raise UsageError(f"checkpoint {path} {e}") from None
+        if args.format == "hf":
+            plan = hf_plan(path, cfg, dtype, shard_size(args.max_shard_size))
+        else:
+            try:
+                weights = read_state(path, keys=("model",))["model"]
+            except ValueError as e:
+                raise UsageError(f"checkpoint {path} {e}") from None
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    weights, dtype = state["model"], DTYPES.get(args.dtype)
     about = {"written_by": WRITER, "format": args.format, "run": str(run.resolve()), "checkpoint": str(path.resolve()),
-             "step": state["step"], "dtype": args.dtype or "as trained"}
+             "step": step, "dtype": args.dtype or "as trained"}
     try:
-        if hf is not None:
+        if args.format == "hf":
             from train.checkpoint.pretrained import save_hf
 
-            sizes = []
-            publish(out, "hf", lambda tmp: sizes.append(save_hf(weights, hf, tmp, dtype)), about)
-            print(f"wrote {given}: a Hugging Face {hf.config.get('architectures', ['model'])[0]}, "
-                  f"{sizes[0] / 2**20:.1f} MiB, the model of {path} (step {state['step']}); load it with "
+            publish(out, "hf", lambda tmp: save_hf(path, plan, tmp), about)
+            files = f"{len(plan.files)} safetensors files" if len(plan.files) > 1 else "one safetensors file"
+            print(f"wrote {given}: a Hugging Face {plan.config['architectures'][0]}, "
+                  f"{plan.total_size / 2**20:.1f} MiB in {files}, the model of {path} (step {step}); load it with "
                   f"transformers.AutoModelForCausalLM.from_pretrained({str(given)!r})")
             return 0
         if dtype is not None:
@@ -312,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the export to {given} failed ({e}); {given} is as it was", file=sys.stderr)
         return 1
     size = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"wrote {given}: {len(weights)} tensors, {size / 2**20:.1f} MiB, the model of {path} (step {state['step']}); "
+    print(f"wrote {given}: {len(weights)} tensors, {size / 2**20:.1f} MiB, the model of {path} (step {step}); "
           f"load it with torch.load({given.name!r}, weights_only=True)")
     return 0
 

@@ -76,6 +76,18 @@ class HFModel:
     missing: str = ""  # why a tensor may be missing from a folder of this architecture, where the task knows
 
 
+# What a model folder holds that an export does not copy: the weights (written anew) and config.json (the task's).
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def beside_weights(folder: Path) -> tuple[str, ...]:
+    """The files of a Hugging Face folder that an export of a model trained from it copies: its tokenizer, its
+    generation_config.json, its README; not its weights nor its config.json (written anew)."""
+    return tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
+                 and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
+
+
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder: config.json, or safetensors files (refused later without config.json)."""
     return path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.safetensors")))

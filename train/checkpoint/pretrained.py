@@ -1,20 +1,24 @@
 """Weights in and out: `init_from` (the first step's weights from a local Hugging Face folder or from another
 run's checkpoint) and the Hugging Face folder that `python -m train.export --format hf` writes.
 
-Both go through torch.distributed.checkpoint (DCP): its Hugging Face storage reader and writer for
-safetensors folders, this project's own reader for its checkpoints. A model spread over the ranks (FSDP2's
-shards) is read straight into each rank's shards: no rank holds the whole model. The task says how its
-tensors are named and laid out in Hugging Face files (Task.hf_model: a key mapping, GPT-2's transposed
-Conv1D weights, a vocabulary padded for speed); nothing else is written by hand. Nothing is downloaded:
-a path is a local folder (compute nodes have no network; copy the model there first).
+Reads go through torch.distributed.checkpoint (DCP): its Hugging Face storage reader for safetensors folders,
+this project's own reader for its checkpoints. A model spread over the ranks (FSDP2's shards) is read straight
+into each rank's shards: no rank holds the whole model. The export reads its checkpoint one output file at a
+time and writes each with safetensors' save_file (which writes from the tensors' memory, where DCP's Hugging
+Face writer serializes a whole file to bytes first: twice the file), split and named by huggingface_hub's
+split_torch_state_dict_into_shards, as transformers' save_pretrained does. The task says how its tensors are
+named and laid out in Hugging Face files (Task.hf_model: a key mapping, GPT-2's transposed Conv1D weights, a
+vocabulary padded for speed); nothing else is written by hand. Nothing is downloaded: a path is a local folder
+(compute nodes have no network; copy the model there first).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +33,7 @@ from train.checkpoint.dcp_io import Reader, error_text
 from train.checkpoint.resume import shapes, shapes_of, state_mismatch
 from train.checkpoint.storage import NAME, complete_checkpoints, verify
 from train.errors import ConfigError
-from train.task import HFModel, hf_config, is_hf_folder
+from train.task import HFModel, HFTensor, hf_config, is_hf_folder
 
 KEY = "task.init_from"
 
@@ -190,27 +194,148 @@ def _load_checkpoint(model: nn.Module, path: Path, option: str = KEY) -> None:
     set_model_state_dict(model, state)
 
 
-def save_hf(weights: dict[str, torch.Tensor], hf: HFModel, out: Path, dtype: torch.dtype | None) -> int:
-    """A Hugging Face folder at `out`, a new one (train.export writes it beside its --out, then renames it), from
-    a model's whole weights (one process): safetensors written by DCP's Hugging Face writer, config.json, and
-    the files the model's folder had beside (its tokenizer). Returns the bytes of tensors written."""
-    tensors = {}
+# ---------------------------------------------------------------- the folder that train.export writes
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class HFExport:
+    """What `python -m train.export --format hf` writes, planned (and checked) before anything is written: for
+    each tensor of the files, the checkpoint key it comes from (its stored shape and dtype) and how it is laid
+    out; the files (transformers' split and names) and their index."""
+
+    config: dict
+    tensors: dict[str, tuple[str, HFTensor, torch.Size, torch.dtype, torch.dtype]]  # key: (source, spec, ., ., out)
+    files: dict[str, list[str]]  # file name -> its keys
+    index: dict | None  # model.safetensors.index.json where there is more than one file
+    copied: tuple[str, ...]  # written beside (the tokenizer of the folder the run started from)
+    total_size: int
+
+
+def hf_export(hf: HFModel, model: nn.Module, stored: dict, dtype: torch.dtype | None, max_shard_size: int,
+              ) -> HFExport:
+    """The export of the checkpoint whose model tensors are `stored` ({name: (shape, dtype)}) as the task's HF
+    model `hf` (of `model`, built on meta); ValueError in one line where a key or a shape does not fit: the
+    checkpoint against the task's model, the files against what transformers builds from config.json."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    params = {name for name, _ in model.named_parameters()}
+    whole = dict(model.named_parameters()) | dict(model.named_buffers())
+    shapes = {name: tuple(t.shape) for name, t in whole.items()}
+    tensors, layout = {}, {}
     for name, spec in hf.tensors.items():
-        t = weights[name]
+        if name not in stored:
+            raise ValueError(f"holds no tensor model.{name}, which the task's model has (it holds "
+                             f"{len(stored)}, e.g. {', '.join(sorted(stored)[:3])}): a checkpoint of another model")
+        shape, kept = stored[name]
+        if tuple(shape) != shapes[name]:
+            raise ValueError(f"holds model.{name} of the shape {list(shape)}, the task's model has "
+                             f"{list(shapes[name])}: a checkpoint of another model")
+        out = tuple(shape[::-1]) if spec.transposed else tuple(shape)
         if spec.rows:
-            t = t[:spec.rows]
-        if spec.transposed:
-            t = t.t()
-        tensors[spec.name] = (t if dtype is None else t.to(dtype)).contiguous()  # safetensors takes no views
-    out.mkdir()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(out)), no_dist=True)
+            out = (spec.rows, *out[1:]) if not spec.transposed else (*out[:-1], spec.rows)
+        cast = dtype if dtype is not None and kept.is_floating_point else kept  # integers and bools keep theirs
+        tensors[spec.name] = (name, spec, shape, kept, cast)
+        layout[spec.name] = torch.empty(out, dtype=cast, device="meta")
     config = dict(hf.config)
     # transformers 5 reads "dtype" (and "torch_dtype" only where "dtype" is missing), 4.x "torch_dtype": both, so a
     # folder's own "dtype" (a config.json that transformers 5 wrote) does not say float32 over bfloat16 files
-    config["dtype"] = config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for extra in hf.files:
+    floats = [t.dtype for t in layout.values() if t.is_floating_point()]
+    config["dtype"] = config["torch_dtype"] = str(floats[0] if floats else torch.float32).removeprefix("torch.")
+    built, order = _check_architecture(config, {k: tuple(t.shape) for k, t in layout.items()})
+    layout = {k: layout[k] for k in order} | layout  # transformers' order: its split of the files
+    if not (isinstance(config.get("architectures"), list) and config["architectures"]
+            and all(isinstance(a, str) for a in config["architectures"])):
+        if built is None:
+            raise ValueError(f"its config.json names no architectures ({json.dumps(config.get('architectures'))}), "
+                             f"and transformers, which would say it, is not installed")
+        config["architectures"] = [built]  # null or missing: the class transformers builds from it
+    split = split_torch_state_dict_into_shards(layout, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    index = None
+    if split.is_sharded:  # as transformers' save_pretrained writes it
+        total = sum(layout[k].numel() for k, (name, *_) in tensors.items() if name in params)
+        index = {"metadata": {"total_parameters": total, **split.metadata}, "weight_map": split.tensor_to_filename}
+    return HFExport(config=config, tensors=tensors, files=dict(split.filename_to_tensors), index=index,
+                    copied=hf.files, total_size=split.metadata["total_size"])
+
+
+def _check_architecture(config: dict, files: dict[str, tuple]) -> tuple[str | None, list[str]]:
+    """The files' keys and shapes against the model that transformers builds from config.json (on meta: no
+    memory), where transformers is installed and knows its model_type: its class name and its state dict's
+    order (save_pretrained's), or ValueError in one line; (None, []) where it cannot say."""
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return None, []
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return None, []
+    transformers.logging.set_verbosity_error()
+    try:
+        built = transformers.AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(built)
+    except Exception as e:
+        raise ValueError(f"its config.json builds no model in transformers {transformers.__version__} "
+                         f"({error_text(e)})") from None
+    expected = {name: tuple(t.shape) for name, t in model.named_parameters()}  # a tied weight once
+    for prefix, module in model.named_modules():
+        for key, t in module._buffers.items():
+            if t is not None and key not in module._non_persistent_buffers_set:
+                expected[f"{prefix}.{key}" if prefix else key] = tuple(t.shape)
+    what = f"the {type(model).__name__} that transformers builds from its config.json"
+    if missing := [k for k in expected if k not in files]:
+        raise ValueError(f"would lack {len(missing)} tensor(s) of {what}, e.g. {', '.join(missing[:3])}")
+    if extra := [k for k in files if k not in expected]:
+        raise ValueError(f"would hold {len(extra)} tensor(s) that {what} does not have, e.g. {', '.join(extra[:3])}")
+    if differ := [k for k in files if files[k] != expected[k]]:
+        k = differ[0]
+        raise ValueError(f"would hold {len(differ)} tensor(s) of other shapes than {what}, e.g. {k} of the shape "
+                         f"{list(files[k])} where it has {list(expected[k])}")
+    return type(model).__name__, [k for k in model.state_dict(keep_vars=True) if k in files]
+
+
+def save_hf(checkpoint: Path, plan: HFExport, out: Path) -> None:
+    """The planned folder at `out`, a new one (train.export writes it beside its --out, then renames it): one
+    safetensors file at a time, its tensors read from the checkpoint by DCP into tensors of the file's layout
+    (a transposed view: no copy), cast where --dtype says, written by safetensors, then freed. So the export
+    holds one file's tensors (in the checkpoint's dtype) and one stored chunk, whatever the model's size.
+    Then the index, config.json and the files the model's folder had beside (its tokenizer)."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for filename, keys in plan.files.items():
+        targets, tensors = {}, {}
+        for key in keys:
+            name, spec, shape, kept, _ = plan.tensors[key]
+            buf = torch.empty(tuple(shape[::-1]) if spec.transposed else tuple(shape), dtype=kept)
+            tensors[key] = buf
+            targets[f"model.{name}"] = buf.t() if spec.transposed else buf  # DCP writes into the file's layout
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=Reader(checkpoint), no_dist=True)
+        del targets
+        for key in keys:
+            _, spec, _, kept, cast = plan.tensors[key]
+            t = tensors[key]
+            if spec.rows:  # the vocabulary's first rows: a view, contiguous
+                t = t[:spec.rows] if not spec.transposed else t[..., :spec.rows].contiguous()
+            tensors[key] = t.to(cast) if cast != kept else t  # one tensor's copy at a time
+        save_file(tensors, out / filename, metadata={"format": "pt"})
+        del tensors
+        _fsync(out / filename)
+    if plan.index is not None:
+        (out / INDEX).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    for extra in plan.copied:
         shutil.copy2(extra, out / Path(extra).name)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -11,7 +11,8 @@
 The model is built on the meta device and initialized shard by shard (init_parameter): the same seed gives
 the same weights under DDP and FSDP, on any number of ranks. A Hugging Face GPT-2 folder (transformers'
 GPT2LMHeadModel: config.json and safetensors) loads into it (hf_model: the same names, Conv1D weights
-transposed, the vocabulary's padding rows left out), and `python -m train.export --format hf` writes one.
+transposed, the vocabulary's padding rows left out), and `python -m train.export --format hf` writes one (with
+the init_from folder's tokenizer and generation_config.json, where the run started from one).
 
 `python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
 shards.MaskedWindows, makes the loss the mean over the counted tokens). Throughput is counted in tokens, evaluation
@@ -32,7 +33,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.task import HFModel, HFTensor, Task, hf_config, is_hf_folder
+from train.task import HFModel, HFTensor, Task, beside_weights, hf_config, is_hf_folder
 from train.tasks import gpt_model, shards
 from train.tasks.gpt_model import GPT, PRESETS, GPTConfig, preset
 
@@ -191,10 +192,12 @@ class LanguageModel(Task):
             "resid_pdrop": g.dropout, "embd_pdrop": g.dropout, "attn_pdrop": g.dropout, "tie_word_embeddings": True,
             "bos_token_id": g.vocab_size - 1, "eos_token_id": g.vocab_size - 1,  # GPT-2's <|endoftext|>: the last
         }
-        if self._hf_folder():  # the folder's own words where it has them (token ids, ...)
-            config = self._hf_config() | {k: config[k] for k in ("vocab_size", "resid_pdrop", "embd_pdrop",
-                                                                  "attn_pdrop")}
-        return HFModel(config=config, tensors=tensors, base_prefix="transformer.")
+        files: tuple[str, ...] = ()
+        if self._hf_folder():  # the folder's own words where it has them (token ids, ...), and its tokenizer
+            config = self._hf_config() | {k: config[k] for k in ("architectures", "vocab_size", "resid_pdrop",
+                                                                  "embd_pdrop", "attn_pdrop", "tie_word_embeddings")}
+            files = beside_weights(Path(self.cfg.init_from))
+        return HFModel(config=config, tensors=tensors, base_prefix="transformer.", files=files)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch

@@ -35,13 +35,10 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.task import HFModel, HFTensor, Task, hf_config
+from train.task import HFModel, HFTensor, Task, beside_weights, hf_config
 from train.tasks import shards
 
 KEY = "task.path"
-# What a model folder holds that export does not copy: the weights (written anew) and config.json (the task's).
-WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
 def _transformers():
@@ -224,8 +221,7 @@ class CausalLM(Task):
                     tensors[f"{prefix}.{key}" if prefix else key] = HFTensor(f"{prefix}.{key}" if prefix else key)
         folder = Path(self.cfg.path)
         config = {k: v for k, v in self.folder_config().items() if k not in ("dtype", "torch_dtype")}
-        files = tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
-                      and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
+        files = beside_weights(folder)
         # the files of the base model (GPT-2 as the Hub stores it: wte.weight, h.0...) leave its prefix out
         prefix = getattr(model, "base_model_prefix", "") or ""
         return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files,
