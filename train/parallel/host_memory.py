@@ -6,7 +6,9 @@ and that threshold rises with each large piece freed (up to 32 MiB): from the fi
 blocks live on the heap, whose holes between the gradient shards made meanwhile are neither returned nor
 reused well. On CPU ranks that kept 1.6x the model's bytes resident on each of 4 ranks, all through the
 saves and evaluations, where the rank holds 0.25x (bench/fsdp_run_memory.py). A fixed threshold of 1 MiB
-maps each larger piece on its own, returned to the system when freed; the step time did not change there.
+maps each larger piece on its own, returned to the system when freed (0.75x there). It costs page faults
+for those pieces: on that shared 2-core machine, step times with and without it were within its noise
+(17-26 s a step). DDP runs keep glibc's default.
 """
 
 from __future__ import annotations
