@@ -24,7 +24,7 @@ from pathlib import Path
 from _util import PY, ROOT
 
 BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "export_memory",
-           "gpu"]
+           "fsdp_run_memory", "gpu"]
 # --smoke: throughput.py's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead.py's.
 SHARED = {"overhead": ("--runs-dir", "overhead"), "throughput": ("--imagefolder-run", "overhead/ours0")}
 
@@ -69,6 +69,13 @@ ROWS = [
     ("  the largest file, MiB", "export_largest_file_mib", "", None),
     ("  the imports before the start (transformers' GPT-2 modeling), MiB", "export_imports_mib", "", None),
     ("  from_pretrained gives the trained logits", "export_logits_equal", "yes", lambda v: v is True),
+    ("a whole FSDP run (build, 2 steps, saves, evaluations, the end) of the GPT, 252M parameters, 4 gloo ranks, "
+     "SGD without momentum: M, MiB", "run_memory_model_mib", "", None),
+    ("  peak RSS per rank above the same run with the tiny model / M", "run_memory_peak_over_m", "<= 0.6",
+     lambda v: v <= 0.6),
+    ("  during the saves / M", "run_memory_save_over_m", "", None),
+    ("  during the evaluations / M", "run_memory_eval_over_m", "", None),
+    ("  at the end (ranks_in_sync, the summary) / M", "run_memory_end_over_m", "", None),
     ("recovery after SIGKILL of a worker: total, s", "recovery_total_s", "", None),
     ("  detection, s", "recovery_detection_s", "", None),
     ("  restart (stop group + rendezvous), s", "recovery_restart_s", "", None),

@@ -26,7 +26,7 @@ from train.config import Config, ConfigError
 from train.errors import EXIT_REQUEUE, say
 from train.observe.log import RunLog, check_tracker
 from train.observe.metrics import StepMeter
-from train.parallel import data, distributed, hang, wrapping
+from train.parallel import data, distributed, hang, host_memory, wrapping
 from train.parallel.data import to_device
 from train.stops import markers
 from train.stops.markers import Markers
@@ -151,11 +151,12 @@ def _micro_steps(sizes: list[int]) -> str:
 def ranks_in_sync(parts: Parts) -> bool:
     """Whether every rank holds bitwise the same parameters and buffers (BatchNorm statistics): DDP's
     promise for the first, evaluate()'s for the second; a cheap end-of-run check. Under FSDP each rank
-    holds only its shard of each parameter: gathered, they are the same everywhere by construction, and
-    the check is about the buffers."""
+    holds only its shard of each parameter, which is no copy of another rank's: the check is about the
+    buffers (gathering the shards to compare would put the whole model on every rank)."""
     h = hashlib.sha256()
     for t in [*parts.raw.parameters(), *parts.raw.buffers()]:
-        h.update(wrapping.full(t.detach()).cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        if not hasattr(t, "to_local"):  # a DTensor (FSDP's shard) is left out
+            h.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * parts.world_size
     torch.distributed.all_gather_object(digests, h.hexdigest())
     return len(set(digests)) == 1
@@ -252,6 +253,8 @@ def configure_torch(cfg: Config) -> None:
 
 
 def build(cfg: Config, denv: distributed.DistEnv, device: torch.device) -> Parts:
+    if cfg.dist.strategy == "fsdp":
+        host_memory.return_freed_memory()  # each step's gathered blocks, freed, go back: train/parallel/host_memory.py
     task = cfg.task_class(cfg.task, cfg.seed)
     train_set, eval_set = task.datasets()
     stream, eval_loader = data.loaders(cfg, train_set, eval_set, denv.rank, denv.world_size, device.type == "cuda",

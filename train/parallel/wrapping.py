@@ -156,11 +156,6 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (a collective: every rank calls it), or `t` itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _checkpoint(block: nn.Module) -> None:
     """Recompute `block`'s forward in the backward (torch.utils.checkpoint, non-reentrant; it replays the
     RNG, so dropout draws the same masks). Its forward is replaced on the instance, so the state dict's
