@@ -15,7 +15,6 @@ vocabulary padded for speed); nothing else is written by hand. Nothing is downlo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from dataclasses import dataclass, fields, is_dataclass
@@ -31,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from train.checkpoint.dcp_io import Reader, error_text
 from train.checkpoint.resume import shapes, shapes_of, state_mismatch
-from train.checkpoint.storage import NAME, complete_checkpoints, verify
+from train.checkpoint.storage import NAME, complete_checkpoints, fsync_dir, verify
 from train.errors import ConfigError
 from train.task import HFModel, HFTensor, hf_config, is_hf_folder
 
@@ -325,7 +324,7 @@ def save_hf(checkpoint: Path, plan: HFExport, out: Path) -> None:
             tensors[key] = t.to(cast) if cast != kept else t  # one tensor's copy at a time
         save_file(tensors, out / filename, metadata={"format": "pt"})
         del tensors
-        _fsync(out / filename)
+        fsync_dir(out / filename)
     if plan.index is not None:
         (out / INDEX).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
@@ -333,9 +332,3 @@ def save_hf(checkpoint: Path, plan: HFExport, out: Path) -> None:
         shutil.copy2(extra, out / Path(extra).name)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -28,6 +28,7 @@ class SaveError(RuntimeError):
 
 
 def fsync_dir(path: Path) -> None:
+    """os.fsync of a folder (its entries) or a file (its bytes), by its path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
