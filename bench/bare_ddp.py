@@ -47,7 +47,7 @@ while step < cfg.train.steps:
     sampler.set_epoch(epoch)
     for x, y in loader:
         optim.set_lr(opt, optim.lr_at(step, cfg.train.steps, cfg.optim))
-        loss = F.cross_entropy(ddp(x), y)
+        loss = F.cross_entropy(ddp(task.pixels(x)), y)  # the built-in images come as uint8 pixels
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

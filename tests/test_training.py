@@ -103,7 +103,7 @@ def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
     with torch.no_grad():
         for i in range(len(eval_set)):
             x, y = eval_set[(i, 0)]
-            correct.append(int(net(x[None]).argmax(1).item() == y))
+            correct.append(int(net(task.pixels(x[None])).argmax(1).item() == y))  # uint8 pixels, normalized
     whole = sum(correct) / len(correct)
     rank0_shard = sum(correct[0::2]) / len(correct[0::2])
     assert summary(tmp_path)["eval_accuracy"] == pytest.approx(whole, abs=1.5 / len(correct))
