@@ -86,3 +86,41 @@ def end_baseline(rank: int, out: Path, times: list[float]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
+    """What a torch.profiler trace (Chrome JSON) says of its `steps` recorded steps: the wall time a step, the
+    GPU's busy share of the span its kernels cover (under 1: the host or a wait starves it), the kernels that
+    take the time, and the host's waits for the device (synchronizing CUDA calls)."""
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    step_events = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
+                   and e.get("cat") == "user_annotation"]
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
+    out: dict = {"step_ms": round(sum(e["dur"] for e in step_events) / max(len(step_events), 1) / 1e3, 2)}
+    if kernels:
+        busy, end = 0.0, None
+        for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
+            a, b = e["ts"], e["ts"] + e["dur"]
+            if end is None or a > end:
+                busy, end = busy + (b - a), b
+            elif b > end:
+                busy, end = busy + (b - end), b
+        first, last = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
+        out["gpu_busy_share"] = round(busy / max(last - first, 1e-9), 3)
+        out["gpu_ms_per_step"] = round(busy / steps / 1e3, 2)
+        by_name: dict[str, float] = {}
+        for e in kernels:
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+        total = sum(by_name.values())
+        out["kernels"] = [{"name": n[:90], "share": round(d / total, 3), "ms_per_step": round(d / steps / 1e3, 2)}
+                          for n, d in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
+        out["kernel_launches_per_step"] = len(kernels) // steps
+    waits: dict[str, list] = {}
+    for e in spans:
+        if e.get("cat") == "cuda_runtime" and any(w in e.get("name", "") for w in ("Synchronize", "Memcpy")):
+            w = waits.setdefault(e["name"], [0, 0.0])
+            w[0], w[1] = w[0] + 1, w[1] + e["dur"]
+    out["host_waits"] = {n: {"calls_per_step": c / steps, "ms_per_step": round(d / steps / 1e3, 2)}
+                         for n, (c, d) in sorted(waits.items(), key=lambda kv: -kv[1][1])[:6]}
+    return out

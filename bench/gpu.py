@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _util import write_json  # noqa: E402
+from _util import trace_summary, write_json  # noqa: E402
 
 from train.observe.metrics import peak_flops  # noqa: E402
 from train.tasks.gpt import LanguageModel  # noqa: E402
@@ -102,8 +103,9 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
 
 
 def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, warmup: int, steps: int,
-            device: torch.device) -> tuple[float, float]:
-    """Tokens/s over all ranks and the largest peak of allocated memory of any rank (0 on CPU)."""
+            device: torch.device) -> tuple[float, float, dict | None]:
+    """Tokens/s over all ranks, the largest peak of allocated memory of any rank (0 on CPU), and rank 0's trace of
+    3 steps more (trace_summary; None on the other ranks)."""
     import torch.distributed as dist
 
     from train import config, optim, trainer
@@ -152,7 +154,33 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     seconds = time.perf_counter() - t
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return world * batch * g.block_size * steps / seconds, peak.item()
+    trace = _traced(step, 3, cuda, dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
+    return world * batch * g.block_size * steps / seconds, peak.item(), trace
+
+
+def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
+    """A torch.profiler trace of `steps` more steps, summed up (bench/_util.py's trace_summary): the host's time a
+    step against the GPU's busy share, the kernels that take the time, the host's waits. Untraced: the steps
+    alone (None)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if not traced:
+        for _ in range(steps):
+            step()
+        return None
+
+    with tempfile.TemporaryDirectory() as d:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                with torch.profiler.record_function(f"ProfilerStep#{_}"):
+                    step()
+            if cuda:
+                torch.cuda.synchronize()
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return trace_summary(path, steps, top=6)
 
 
 def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = False,
@@ -174,12 +202,14 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = Fal
     for strategy in variants:
         name = strategy
         try:
-            tokens_s, peak = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
+            tokens_s, peak, trace = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
         except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
             fig[f"lm_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         done.append(name)
         fig[f"lm_{name}_tokens_per_s"], fig[f"lm_{name}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
+        if trace is not None:
+            fig[f"lm_{name}_trace"] = trace
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -211,7 +241,7 @@ def main() -> None:
         fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke, args.micro_batch, args.compile,
                             tuple(args.variants.split(",")))
         for k, v in fig.items():
-            print(f"{k:28s} {v if isinstance(v, str) else f'{v:.3f}'}")
+            print(f"{k:28s} {v if isinstance(v, str) else json.dumps(v) if isinstance(v, dict) else f'{v:.3f}'}")
         if fig:
             write_json(args.json, fig)
         return
