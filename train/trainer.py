@@ -60,9 +60,9 @@ class Parts:
     loads: frozenset[str] = frozenset()  # the model's tensors given memory only: a checkpoint or init_from fills them
 
 
-def autocast(parts: Parts):
-    p = parts.cfg.train.precision
-    return torch.autocast(parts.device.type, dtype=wrapping.DTYPES[p], enabled=p != "fp32")
+def autocast(cfg: Config, device: torch.device):
+    p = cfg.train.precision
+    return torch.autocast(device.type, dtype=wrapping.DTYPES[p], enabled=p != "fp32")
 
 
 @torch.no_grad()
@@ -86,11 +86,11 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
                 return None
             if (batch := next(batches, None)) is None:
                 if wrapping.sharded(model):  # every rank's forward all-gathers: run one, not counted
-                    with autocast(parts):
+                    with autocast(parts.cfg, parts.device):
                         parts.task.eval_step(model, last)
                 continue
             last = to_device(parts, batch)
-            with autocast(parts):
+            with autocast(parts.cfg, parts.device):
                 out = parts.task.eval_step(model, last)
             for k, v in out.items():
                 v = v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
@@ -301,11 +301,11 @@ def step_loss_fn(cfg: Config, task: Task, wrapped: nn.Module, device: torch.devi
     with the model alone compiled, bench/gpu_check.py's gpt stage). Under DDP the DDP module itself is compiled
     and the loss runs eagerly: torch splits a compiled DDP forward at its gradient buckets, so that their
     all-reduce overlaps the backward."""
-    p, compiled = cfg.train.precision, cfg.train.compile
+    compiled = cfg.train.compile
     model = torch.compile(wrapped) if compiled and wrapping.replicated(wrapped) else wrapped
 
     def step_loss(batch):
-        with torch.autocast(device.type, dtype=wrapping.DTYPES[p], enabled=p != "fp32"):
+        with autocast(cfg, device):
             return task.loss(model, batch)
 
     return torch.compile(step_loss) if compiled and model is wrapped else step_loss
