@@ -9,9 +9,11 @@ changed) reads the process's RSS every few milliseconds and names the phase from
 build, resume, step, save, eval, end (ranks_in_sync, the summary), resetting the peak (VmHWM, through
 /proc/self/clear_refs) at each change of phase, so that each phase's peak is exact up to the moment the
 sampler sees the change. Printed: each rank's peak above the tiny run's as a fraction of M, and per phase.
-A rank that holds its shard of the parameters and of the gradients (SGD without momentum: no optimizer state)
-and one gathered block at a time needs about 2 M / world + a block; the goal is at most 0.6 M above tiny
-on 4 ranks for a model of 250M parameters or more (AdamW adds 2 M / world for its two states).
+A step cannot hold less than its shard of the parameters and of the gradients (SGD without momentum: no
+optimizer state) and one block's gathered parameters and its whole gradients: 2 M / world + 2 blocks, printed
+as the floor. The goal is at most 0.6 M above tiny on 4 ranks for a model of 250M parameters or more (AdamW
+adds 2 M / world for its two states). Measured: 0.61 M at 20 blocks of width 1024 (252M, floor 0.60), 0.59 M
+at GPT-2 medium's 24 blocks (--layers 24: 302M, floor 0.58).
 """
 
 from __future__ import annotations
@@ -180,16 +182,24 @@ def main() -> None:
         cells = []
         for b, t in zip(big, tiny, strict=True):
             above = (b.get(label, 0.0) - t.get(label, t.get("end", 0.0))) / m
-            worst[label] = max(worst.get(label, float("-inf")), above)
-            cells.append(f"{b.get(label, 0.0):8.0f} ({above:+.2f} M)")
+            if label in b:
+                worst[label] = max(worst.get(label, float("-inf")), above)
+            cells.append(f"{b[label]:8.0f} ({above:+.2f} M)" if label in b else "-")  # too short to be seen
         print(f"{label:8s} " + " ".join(f"{c:>17s}" for c in cells))
     peaks = [(max(b.values()) - max(t.values())) / m for b, t in zip(big, tiny, strict=True)]
     culprit = max(worst, key=worst.get)
+    # What no FSDP step can do without: its shard, its gradients' shard, and one block's gathered parameters and
+    # whole gradients (a block of the GPT: 12 d^2 + 13 d parameters).
+    d = args.embd
+    floor = 2 / args.nproc + 2 * (12 * d * d + 13 * d) * 4 / 2**20 / m
     print("peak above the tiny run's, per rank: " + ", ".join(f"{x:.2f}" for x in peaks)
           + f" M (worst {max(peaks):.2f} M, goal <= 0.6 M with sgd); the highest phase: {culprit}")
+    if not args.smoke:  # (a model of 12 MiB is within the tiny run's own noise)
+        print(f"a step's floor: the shards of the parameters and gradients (2 M / {args.nproc}) and one block's "
+              f"parameters and gradients: {floor:.2f} M")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "run_memory_model_mib": m, "run_memory_peak_over_m": max(peaks),
+            "run_memory_model_mib": m, "run_memory_peak_over_m": max(peaks), "run_memory_floor_over_m": floor,
             "run_memory_phase_over_m": worst,
             **{f"run_memory_{k}_over_m": max(v for p, v in worst.items() if p.startswith(k))
                for k in ("save", "eval", "end") if any(p.startswith(k) for p in worst)},

@@ -73,6 +73,8 @@ ROWS = [
      "SGD without momentum: M, MiB", "run_memory_model_mib", "", None),
     ("  peak RSS per rank above the same run with the tiny model / M", "run_memory_peak_over_m", "<= 0.6",
      lambda v: v <= 0.6),
+    ("  a step's floor: the shards of parameters and gradients, one block's parameters and gradients / M",
+     "run_memory_floor_over_m", "", None),
     ("  during the saves / M", "run_memory_save_over_m", "", None),
     ("  during the evaluations / M", "run_memory_eval_over_m", "", None),
     ("  at the end (ranks_in_sync, the summary) / M", "run_memory_end_over_m", "", None),

@@ -97,6 +97,7 @@ def evaluate(parts: Parts, ckpt: Checkpointer) -> dict[str, float] | None:
                 sums[k] = sums.get(k, 0) + v.to(parts.device)
     finally:
         model.train()
+        wrapping.reshard(model)  # FSDP: the root's gathered parameters (embeddings, heads) are freed, not kept
     # Every rank has a batch (loaders() checks it), so every rank has the same keys in the same order.
     keys = list(sums)
     totals = dict(zip(keys, distributed.all_reduce_sum([sums[k].item() for k in keys], parts.device), strict=True))

@@ -67,7 +67,43 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
     for block in blocks:  # without blocks: one unit, the whole model gathered at once (no memory saved)
         fully_shard(block, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
+    if device.type == "cpu":
+        _one_block_at_a_time(model)
     return model
+
+
+def _one_block_at_a_time(model: nn.Module) -> None:
+    """On CPU ranks, FSDP2 holds no more than the block it is working on.
+
+    FSDP2 keeps memory to overlap its collectives with compute on a GPU's streams. On CPU (gloo) nothing
+    overlaps: each collective is done before the next line runs, so that memory buys nothing. Two buffers go:
+    - the backward prefetch: the next block's parameters, gathered while this one's backward runs. Each unit
+      prefetches only itself, which it already holds: nothing.
+    - the reduce-scatter input, a copy of a block's whole gradients that FSDP2 keeps until the next block's
+      reduce-scatter (for the GPU's allocator). It is freed as soon as its reduce-scatter returns.
+    bench/fsdp_run_memory.py (a 252M GPT in 20 blocks, 4 ranks): a block is 0.05 of the model, and each of the
+    two was one block more at the peak of a step. GPU runs keep FSDP2's defaults: there the overlap is the
+    point."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.set_modules_to_backward_prefetch([unit])
+        unit.set_custom_reduce_scatter(_FreeingReduceScatter())
+
+
+class _FreeingReduceScatter:
+    """FSDP2's reduce-scatter (torch.distributed.fsdp's ReduceScatter interface), which frees its input once done.
+    Only where the collective is done when the call returns (gloo, called without async_op, as FSDP2 does)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        work = torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                                        async_op=async_op)
+        if work is None:  # done: nothing reads the input again
+            input_tensor.untyped_storage().resize_(0)
+        return work
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -136,6 +172,16 @@ def _fsdp_no_sync(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def reshard(model: nn.Module) -> None:
+    """FSDP: free every gathered parameter. A forward without a backward (an evaluation) leaves the root unit
+    gathered, and every unit under dist.reshard_after_forward=false: held through the save and into the next
+    step otherwise. Nothing under DDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.reshard()
 
 
 def replicated(model: nn.Module) -> bool:
