@@ -437,8 +437,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         # frame's return, it would destroy the gloo group, joining its threads without letting go of the GIL
         # while one of them waits for the GIL to free the last collective's tensors (torch 2.11, a hang after
         # "done" in about 1 run of 5 on a busy 2-core machine). Freed now, the group outlives it, and
-        # destroy_process_group lets go of the GIL while it joins.
+        # destroy_process_group lets go of the GIL while it joins. (By reference count: build's objects are frozen,
+        # out of gc's reach.)
         parts = meter = ckpt = None
-        gc.collect()
         distributed.teardown()
 
