@@ -84,9 +84,7 @@ def _one_block_at_a_time(model: nn.Module) -> None:
     bench/fsdp_run_memory.py (a 252M GPT in 20 blocks, 4 ranks): a block is 0.05 of the model, and each of the
     two was one block more at the peak of a step. GPU runs keep FSDP2's defaults: there the overlap is the
     point."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+    for unit in _units(model):
         unit.set_modules_to_backward_prefetch([unit])
         unit.set_custom_reduce_scatter(_FreeingReduceScatter())
 
@@ -178,10 +176,15 @@ def reshard(model: nn.Module) -> None:
     """FSDP: free every gathered parameter. A forward without a backward (an evaluation) leaves the root unit
     gathered, and every unit under dist.reshard_after_forward=false: held through the save and into the next
     step otherwise. Nothing under DDP."""
+    for unit in _units(model):
+        unit.reshard()
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The modules fully_shard made units of (none under DDP)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
-        unit.reshard()
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def replicated(model: nn.Module) -> bool:
