@@ -5,7 +5,8 @@ on the CPU, seconds each, so the script is known to work before a GPU is there).
 
 Stages, in order of value; each writes OUT_DIR/gpu_check.json again as soon as it ends, so a run cut short keeps what
 it measured (a stage that fails records its error and the next one runs). The three that check results, not speed
-(tests, stop_relaunch, hf), run at the same time first; then the timed ones, one at a time:
+(tests, stop_relaunch, hf), run at the same time first, each process with its share of the cores; then the timed
+ones, one at a time. The smoke times nothing: all its stages run at once (53 s on 2 idle cores):
   tests         the gpu-marked tests (pytest -m gpu)
   gpt           GPT-2 124M, 16 x 1024 tokens, bf16, compile: `python -m train` against a bare loop of the same model
                 and optimizer (train/optim.py's AdamW) in the same run; tokens/s, MFU, peak memory
@@ -111,7 +112,14 @@ def machine() -> dict:
     return info
 
 
+SHARED_THREADS: str | None = None  # while stages run together: each process's share of the cores (OMP_NUM_THREADS)
+
+
 def env(**extra: str) -> dict:
+    if SHARED_THREADS and "OMP_NUM_THREADS" not in os.environ:
+        # (processes that run together, each with torch's threads on every core, spin on one another's cores: the
+        # smoke's stop_relaunch took 42 s with them, 24 s with one each, on 2 cores)
+        extra = {"OMP_NUM_THREADS": SHARED_THREADS} | extra
     out = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     # (train.deterministic sets cuBLAS's fixed workspace itself: the speed stages run with cuBLAS's default)
@@ -445,6 +453,7 @@ def stage_memory(check: Check, out: Path) -> dict:
 
 
 AT_ONCE = {"tests", "stop_relaunch", "hf"}  # results, not speed: run together, before the timed stages
+AT_ONCE_PROCESSES = 7  # the most they run at a time: pytest, 2 x 2 runs of stop_relaunch, 2 runs of hf
 STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_stop_relaunch), ("hf", stage_hf),
           ("fsdp_vs_ddp", stage_fsdp_vs_ddp), ("resnet50", stage_resnet50), ("imagefolder", stage_imagefolder),
           ("memory", stage_memory)]
@@ -477,11 +486,24 @@ def main(argv: list[str] | None = None) -> int:
     check.tests = args.tests
     chosen = [(name, fn) for name, fn in STAGES if only is None or name in only]
     checks = [(n, f) for n, f in chosen if n in AT_ONCE]
-    if checks:  # the stages that check results, not speed, run together: minutes saved
-        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])
-    for name, fn in chosen:
-        if name not in AT_ONCE:
-            check.stage(name, fn)  # the timed stages one at a time, with the machine to themselves
+    timed = [(n, f) for n, f in chosen if n not in AT_ONCE]
+
+    def one_at_a_time(stages):
+        for name, fn in stages:
+            check.stage(name, fn)
+
+    global SHARED_THREADS
+    SHARED_THREADS = str(max(1, (os.cpu_count() or 1) // AT_ONCE_PROCESSES))
+    if args.smoke:  # toy sizes, nothing timed: every stage at once; imagefolder after resnet50, whose figure it reads
+        images = [(n, f) for n, f in timed if n in ("resnet50", "imagefolder")]
+        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks],
+                 lambda: one_at_a_time([s for s in timed if s not in images and s[0] != "memory"]),
+                 lambda: one_at_a_time(images))
+        one_at_a_time([s for s in timed if s[0] == "memory"])
+    else:
+        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])  # results, not speed: minutes saved
+        SHARED_THREADS = None
+        one_at_a_time(timed)  # the timed stages one at a time, with the machine to themselves
     check.figures["stages"] = {n: check.figures["stages"][n] for n, _ in chosen}  # in the order of value
     check.write()
     print(f"wrote {check.path}")
