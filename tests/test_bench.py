@@ -47,6 +47,19 @@ def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
         assert float(line[50:].split()[0]) > 0, line
 
 
+def test_fsdp_host_smoke_times_each_phase_of_a_step():
+    """bench/fsdp_host.py (run by hand: FSDP2's host time a step, docs/dev/benchmark-studies.md) still runs, and
+    times each phase of a step for the model alone and under FSDP (figures printed, not asserted)."""
+    proc = subprocess.run([PY, "bench/fsdp_host.py", "--smoke", "--layers", "2"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fig = json.loads(proc.stdout.strip().splitlines()[-1])
+    for variant in ("model", "fsdp"):
+        assert set(fig[variant]) == {"forward_backward", "clip", "optimizer", "zero_grad", "total"}, fig
+        assert fig[variant]["forward_backward"] > 0 and fig[variant]["optimizer"] > 0, fig
+    assert "fsdp_extra_ms_per_unit" in fig
+
+
 def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
     """bench/prepare_memory.py (run by hand: docs/language-models.md quotes it) still runs on a 1 MB corpus, and
     says how many tokens it made and its peak memory above the imports."""
