@@ -20,6 +20,7 @@ from tests.conftest import (
     OBSERVED,
     PACED,
     ROOT,
+    after_import,
     assert_same_state,
     clean_env,
     copy_run,
@@ -121,6 +122,31 @@ def test_ctrl_c_to_python_m_train_saves_and_exits_75(tmp_path):
     rc, out, err = finish(proc)
     assert rc == 75 and "KeyboardInterrupt" not in err, err[-3000:]
     assert "stopped on SIGINT" in out and latest_state(tmp_path)["step"] >= 2
+
+
+# A SIGTERM from rank 0 to its own process right after the training of step $SIGNAL_AT.
+SIGNAL_AFTER_STEP = """
+import os, signal
+real = module.train_step
+def train_step(parts, *a, **k):
+    loss = real(parts, *a, **k)
+    if parts.step == int(os.environ["SIGNAL_AT"]) and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return loss
+module.train_step = train_step
+"""
+
+
+@pytest.mark.parametrize("nproc, lands", [(1, 7), (2, 8)])
+def test_a_run_of_one_process_stops_at_the_step_its_signal_came_in(tmp_path, nproc, lands):
+    """Step 7 logs, evaluates and saves nothing. Ranks that must agree read the previous step's all-reduce there,
+    so their stop lands a step later (8). One process has nobody to agree with: it reads its own flag, with no
+    collective and no wait for the device, and stops at step 7."""
+    env = after_import(tmp_path, "train.trainer", SIGNAL_AFTER_STEP) | {"SIGNAL_AT": "7"}
+    proc = run_train(tmp_path / "run", "train.steps=20", "train.log_every=5", "train.eval_every=0",
+                     "checkpoint.every=0", nproc=nproc, expect=75 if nproc == 1 else None, env=env)  # torchrun: 1
+    assert json.loads((tmp_path / "run" / "STOPPED").read_text())["step"] == lands, proc.stdout[-2000:]
+    assert latest_state(tmp_path / "run")["step"] == lands
 
 
 def test_a_stop_during_a_slow_evaluation_does_not_wait_for_it(tmp_path):

@@ -40,7 +40,9 @@ class StopRequest:
     batch (an all-reduce, so nobody waits alone), so a signal that reached one rank (one node's kubelet, one
     srun task) stops them all at the same step. A second signal changes nothing: the save it asked for is
     already coming. At a step that logs, evaluates and saves nothing the agreement costs no wait for the
-    device (`agreed(now=False)`): the stop lands a step later."""
+    device (`agreed(now=False)`): the stop lands a step later. A run of one process reads its own flag: no
+    collective, no wait, and its stop lands at the step the signal came in (on a GPU the host is not held one
+    step ahead of the device, as a bare loop's is not)."""
 
     def __init__(self, extra_signal: str):
         self.extra_signal = extra_signal  # checkpoint.signal
@@ -70,6 +72,9 @@ class StopRequest:
         so all stop at the same step, one step later than a fresh agreement would."""
         if self.stopping:
             return True
+        if _alone():  # one process agrees with itself: its own flag, read on the host, at once
+            self.stopping = self.signal is not None
+            return self.stopping
         stop = self._settle()
         if not stop:
             self._start(device)  # answered now (waited for), or by the next call
@@ -111,3 +116,10 @@ class StopRequest:
         else:
             done.synchronize()
         return bool(self._view[0] > 0)
+
+
+def _alone() -> bool:
+    """Whether this process is the run's only rank (no process group, or a group of one)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_world_size() == 1
