@@ -194,7 +194,8 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
         parts.eval_pending = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
         # The stop is agreed before any evaluation, so that it never waits for one. Only where this step waits
         # for the device anyway (a log, an evaluation, a save) or follows a save (a stop in it ends with that
-        # save) is the agreement waited for; elsewhere the host runs on and the stop lands a step later.
+        # save) is the agreement waited for; elsewhere the host runs on and the stop lands a step later (one process
+        # has nobody to agree with: its stop lands at once, StopRequest.agreed).
         now = logs or parts.eval_pending or ckpt.due(step) or ckpt.saved_step == step - 1
         if parts.stop.agreed(parts.device, now=now):
             return _stop(parts, ckpt)
