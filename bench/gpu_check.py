@@ -334,7 +334,7 @@ def together(*calls):
     error. For the stages that check equality, not speed: the GPU and the machine's cores have room for them."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(calls)) as pool:
+    with ThreadPoolExecutor(max(len(calls), 1)) as pool:
         futures = [pool.submit(c) for c in calls]
         return [f.result() for f in futures]
 
@@ -501,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                  lambda: one_at_a_time(images))
         one_at_a_time([s for s in timed if s[0] == "memory"])
     else:
-        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])  # results, not speed: minutes saved
+        if checks:  # results, not speed: minutes saved
+            together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])
         SHARED_THREADS = None
         one_at_a_time(timed)  # the timed stages one at a time, with the machine to themselves
     check.figures["stages"] = {n: check.figures["stages"][n] for n, _ in chosen}  # in the order of value
