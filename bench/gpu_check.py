@@ -459,6 +459,37 @@ STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_st
           ("memory", stage_memory)]
 
 
+def run_stages(check: Check, chosen: list) -> None:
+    """The chosen stages ((name, function), in order of value). On a GPU the result stages (AT_ONCE) run together,
+    each process with its share of the cores, then the timed ones one at a time, with the machine to themselves.
+    The smoke times nothing: every stage at once, but imagefolder after resnet50 (whose figure it reads) and
+    memory last (it reads them all). gpu_check.json lists the stages in order of value."""
+    global SHARED_THREADS
+    checks = [s for s in chosen if s[0] in AT_ONCE]
+    timed = [s for s in chosen if s[0] not in AT_ONCE and s[0] != "memory"]
+    last = [s for s in chosen if s[0] == "memory"]
+
+    def one_at_a_time(stages):
+        for name, fn in stages:
+            check.stage(name, fn)
+
+    SHARED_THREADS = str(max(1, (os.cpu_count() or 1) // AT_ONCE_PROCESSES))
+    try:
+        if check.smoke:
+            images = [s for s in timed if s[0] in ("resnet50", "imagefolder")]
+            together(*[lambda s=s: check.stage(*s) for s in checks],
+                     lambda: one_at_a_time([s for s in timed if s not in images]), lambda: one_at_a_time(images))
+        else:
+            together(*[lambda s=s: check.stage(*s) for s in checks])
+            SHARED_THREADS = None
+            one_at_a_time(timed)
+        one_at_a_time(last)
+    finally:
+        SHARED_THREADS = None
+    check.figures["stages"] = {n: check.figures["stages"][n] for n, _ in chosen}
+    check.write()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="the folder for gpu_check.json and each stage's runs")
@@ -485,28 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(args.out, args.smoke, args.budget_s)
     check.tests = args.tests
     chosen = [(name, fn) for name, fn in STAGES if only is None or name in only]
-    checks = [(n, f) for n, f in chosen if n in AT_ONCE]
-    timed = [(n, f) for n, f in chosen if n not in AT_ONCE]
-
-    def one_at_a_time(stages):
-        for name, fn in stages:
-            check.stage(name, fn)
-
-    global SHARED_THREADS
-    SHARED_THREADS = str(max(1, (os.cpu_count() or 1) // AT_ONCE_PROCESSES))
-    if args.smoke:  # toy sizes, nothing timed: every stage at once; imagefolder after resnet50, whose figure it reads
-        images = [(n, f) for n, f in timed if n in ("resnet50", "imagefolder")]
-        together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks],
-                 lambda: one_at_a_time([s for s in timed if s not in images and s[0] != "memory"]),
-                 lambda: one_at_a_time(images))
-        one_at_a_time([s for s in timed if s[0] == "memory"])
-    else:
-        if checks:  # results, not speed: minutes saved
-            together(*[lambda n=n, f=f: check.stage(n, f) for n, f in checks])
-        SHARED_THREADS = None
-        one_at_a_time(timed)  # the timed stages one at a time, with the machine to themselves
-    check.figures["stages"] = {n: check.figures["stages"][n] for n, _ in chosen}  # in the order of value
-    check.write()
+    run_stages(check, chosen)
     print(f"wrote {check.path}")
     return 0
 

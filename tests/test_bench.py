@@ -4,6 +4,7 @@ gets a row per figure. Timings are printed, never asserted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -45,6 +46,65 @@ def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
                 "host copy of the whole state"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(row))
         assert float(line[50:].split()[0]) > 0, line
+
+
+@pytest.mark.parametrize("smoke", [False, True], ids=["gpu", "smoke"])
+def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_path, monkeypatch, smoke):
+    """bench/gpu_check.py's schedule, with stages that only record when they run: on a GPU the result stages run
+    together (each must meet the others at a barrier), their processes with a share of the cores, then the timed
+    ones one at a time with every core; the smoke runs them all at once but imagefolder after resnet50 and memory
+    last. gpu_check.json lists the stages in order of value either way. (A GPU run's schedule is otherwise
+    first exercised on the GPU, whose minutes are few.)"""
+    import threading
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    names = [n for n, _ in gpu_check.STAGES]
+    results = [n for n in names if n in gpu_check.AT_ONCE]
+    first_at_once = results + (["gpt", "resnet50"] if smoke else [])
+    barrier = threading.Barrier(len(first_at_once), timeout=60)
+    lock, events, running, most = threading.Lock(), [], [0], [0]
+    images_started = threading.Event()
+
+    def stage(name):
+        def fn(check, out):
+            with lock:
+                events.append(("start", name))
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            threads = gpu_check.env().get("OMP_NUM_THREADS")
+            if name in first_at_once:
+                barrier.wait()  # broken (an error) unless they all run at once
+            if name == "imagefolder":
+                images_started.set()
+            if name == "resnet50":  # an imagefolder that ran beside it would start meanwhile
+                images_started.wait(timeout=2)
+            with lock:
+                events.append(("end", name))
+                running[0] -= 1
+            return {"threads": threads}
+        return fn
+
+    check = gpu_check.Check(tmp_path / "check", smoke, 600)
+    gpu_check.run_stages(check, [(n, stage(n)) for n in names])
+    stages = json.loads((tmp_path / "check" / "gpu_check.json").read_text())["stages"]
+    assert list(stages) == names
+    assert not [n for n, v in stages.items() if "error" in v], stages
+    order = {e: i for i, e in enumerate(events)}
+    shared = str(max(1, (os.cpu_count() or 1) // gpu_check.AT_ONCE_PROCESSES))
+    assert all(stages[n]["threads"] == shared for n in results)
+    assert order[("start", "memory")] > max(order[("end", n)] for n in names if n != "memory")
+    if smoke:
+        assert order[("start", "imagefolder")] > order[("end", "resnet50")]
+        assert most[0] >= len(first_at_once)
+    else:
+        timed = [n for n in names if n not in results]
+        assert min(order[("start", n)] for n in timed) > max(order[("end", n)] for n in results)
+        assert [e[1] for e in events if e[1] in timed] == [n for n in timed for _ in (0, 1)]  # one at a time, in order
+        assert all(stages[n]["threads"] is None for n in timed)  # torch's default: every core
+    assert gpu_check.SHARED_THREADS is None
 
 
 def test_fsdp_host_smoke_times_each_phase_of_a_step():
