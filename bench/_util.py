@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +92,9 @@ def end_baseline(rank: int, out: Path, times: list[float]) -> None:
 def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
     """What a torch.profiler trace (Chrome JSON) says of its `steps` recorded steps: the wall time a step, the
     GPU's busy share of the span its kernels cover (under 1: the host or a wait starves it), the kernels that
-    take the time, and the host's waits for the device (synchronizing CUDA calls)."""
+    take the time, the host's time in the spans torch's code labels (record_function: FSDP2's hooks, the optimizer's
+    step; a module's own label counted with the others of its kind; labels nest), and the host's waits for the device
+    (synchronizing CUDA calls)."""
     events = json.loads(path.read_text()).get("traceEvents", [])
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     step_events = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
@@ -116,6 +119,13 @@ def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
         out["kernels"] = [{"name": n[:90], "share": round(d / total, 3), "ms_per_step": round(d / steps / 1e3, 2)}
                           for n, d in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
         out["kernel_launches_per_step"] = len(kernels) // steps
+    labels: dict[str, list] = {}  # the host's time in the labels torch's code marks (FSDP2: "FSDP::pre_forward", ...)
+    for e in spans:
+        if e.get("cat") == "user_annotation" and not str(e.get("name", "")).startswith("ProfilerStep#"):
+            n = labels.setdefault(re.sub(r" \(.*\)$", "", e["name"]), [0, 0.0])  # each module's: summed
+            n[0], n[1] = n[0] + 1, n[1] + e["dur"]
+    out["host_labels"] = {n: {"calls_per_step": c / steps, "ms_per_step": round(d / steps / 1e3, 2)}
+                          for n, (c, d) in sorted(labels.items(), key=lambda kv: -kv[1][1])[:max(top, 10)]}
     waits: dict[str, list] = {}
     for e in spans:
         if e.get("cat") == "cuda_runtime" and any(w in e.get("name", "") for w in ("Synchronize", "Memcpy")):
