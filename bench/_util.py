@@ -89,12 +89,24 @@ def end_baseline(rank: int, out: Path, times: list[float]) -> None:
     os._exit(0)
 
 
+def _busy(kernels: list[dict]) -> float:
+    """The union of the kernels' intervals, in the trace's microseconds."""
+    busy, end = 0.0, None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy
+
+
 def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
     """What a torch.profiler trace (Chrome JSON) says of its `steps` recorded steps: the wall time a step, the
-    GPU's busy share of the span its kernels cover (under 1: the host or a wait starves it), the kernels that
-    take the time, the host's time in the spans torch's code labels (record_function: FSDP2's hooks, the optimizer's
-    step; a module's own label counted with the others of its kind; labels nest), and the host's waits for the device
-    (synchronizing CUDA calls)."""
+    GPU's busy share of the span its kernels cover (under 1: the host or a wait starves it) and each stream's, the
+    kernels that take the time, the host's time in the spans torch's code labels (record_function: FSDP2's hooks,
+    the optimizer's step; a module's own label counted with the others of its kind; labels nest), and the host's
+    waits for the device (synchronizing CUDA calls)."""
     events = json.loads(path.read_text()).get("traceEvents", [])
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     step_events = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
@@ -102,16 +114,18 @@ def trace_summary(path: Path, steps: int, top: int = 12) -> dict:
     kernels = [e for e in spans if e.get("cat") == "kernel"]
     out: dict = {"step_ms": round(sum(e["dur"] for e in step_events) / max(len(step_events), 1) / 1e3, 2)}
     if kernels:
-        busy, end = 0.0, None
-        for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
-            a, b = e["ts"], e["ts"] + e["dur"]
-            if end is None or a > end:
-                busy, end = busy + (b - a), b
-            elif b > end:
-                busy, end = busy + (b - end), b
+        busy = _busy(kernels)
         first, last = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
         out["gpu_busy_share"] = round(busy / max(last - first, 1e-9), 3)
         out["gpu_ms_per_step"] = round(busy / steps / 1e3, 2)
+        # each stream's busy share of that span: the compute stream's under the GPU's while another stream's
+        # kernels run (FSDP2's all-gathers and reduce-scatters) is compute waiting on them
+        by_stream: dict = {}
+        for e in kernels:
+            by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append(e)
+        out["streams"] = {str(sid): {"busy_share": round(_busy(ks) / max(last - first, 1e-9), 3),
+                                     "ms_per_step": round(_busy(ks) / steps / 1e3, 2)}
+                          for sid, ks in sorted(by_stream.items(), key=lambda kv: -_busy(kv[1]))[:4]}
         by_name: dict[str, float] = {}
         for e in kernels:
             by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]

@@ -120,6 +120,39 @@ def test_fsdp_host_smoke_times_each_phase_of_a_step():
     assert "fsdp_extra_ms_per_unit" in fig
 
 
+@pytest.mark.parametrize("waits_on", ["stream", "host"])
+def test_a_gpu_trace_tells_a_gpu_waiting_on_another_stream_from_one_the_host_starves(tmp_path, waits_on):
+    """bench/_util.py's trace_summary, which reads the GPU runs' traces (gpu-check, bench/gpu.py --lm), on a Chrome
+    trace written here as torch.profiler writes one on a GPU: two steps of 10 ms, the compute stream (7) busy
+    0-4 ms and 6-10 ms of each. Between, either an all-gather runs on stream 20 (the GPU is busy: compute waits on
+    it) or nothing does (the GPU idles: the host was late). FSDP2's hooks, labelled per unit, are summed by kind."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _util import trace_summary
+
+    def span(cat, name, ts_ms, dur_ms, **extra):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts_ms * 1000, "dur": dur_ms * 1000, **extra}
+
+    events = []
+    for step, t in enumerate((0, 10)):
+        events += [span("user_annotation", f"ProfilerStep#{step}", t, 10),
+                   span("user_annotation", "FSDP::pre_forward (transformer.h.0)", t, 1),
+                   span("user_annotation", "FSDP::pre_forward (transformer.h.1)", t + 5, 0.5),
+                   span("kernel", "gemm", t, 4, args={"stream": 7}),
+                   span("kernel", "gemm", t + 6, 4, args={"stream": 7})]
+        if waits_on == "stream":
+            events.append(span("kernel", "ncclDevKernel_AllGather", t + 4, 2, args={"stream": 20}))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    fig = trace_summary(path, steps=2)
+    assert fig["step_ms"] == 10
+    assert fig["streams"]["7"] == {"busy_share": 0.8, "ms_per_step": 8.0}, fig
+    if waits_on == "stream":
+        assert fig["gpu_busy_share"] == 1.0 and fig["streams"]["20"]["busy_share"] == 0.2, fig
+    else:
+        assert fig["gpu_busy_share"] == 0.8 and list(fig["streams"]) == ["7"], fig
+    assert fig["host_labels"]["FSDP::pre_forward"] == {"calls_per_step": 2.0, "ms_per_step": 1.5}, fig
+
+
 def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
     """bench/prepare_memory.py (run by hand: docs/language-models.md quotes it) still runs on a 1 MB corpus, and
     says how many tokens it made and its peak memory above the imports."""
