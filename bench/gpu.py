@@ -111,14 +111,14 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     from train import config, optim, trainer
     from train.parallel import wrapping
 
-    cuda, world = device.type == "cuda", dist.get_world_size()
+    cuda, world, sharded = device.type == "cuda", dist.get_world_size(), strategy.startswith("fsdp")
     cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", f"task.seq_len={seq}",
                                            "optim.name=adamw", "train.precision=bf16", f"train.compile={compile_}",
-                                           f"dist.strategy={'fsdp' if strategy == 'fsdp' else 'ddp'}"])
+                                           f"dist.strategy={'fsdp' if sharded else 'ddp'}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model()  # on the meta device: given its memory as the trainer does
-    if strategy != "fsdp":
+    if not sharded:
         wrapping.materialize(net, task, device, 0)
     if strategy == "ddp":  # DDP itself, also on one process (where the trainer trains the plain model)
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -126,7 +126,9 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
         wrapped = DDP(net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
     else:
         wrapped = wrapping.wrap(cfg, task, net, device)  # plain: one process's DDP strategy, the model itself
-    if strategy == "fsdp":
+    if strategy == "fsdp_prefetch":
+        _prefetch_next_block(list(task.blocks(net)))
+    if sharded:
         wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
     step_loss = trainer.step_loss_fn(cfg, task, wrapped, device)  # compiled as the trainer compiles (train.compile)
@@ -156,6 +158,15 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     trace = _traced(step, 3, cuda, dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
     return world * batch * g.block_size * steps / seconds, peak.item(), trace
+
+
+def _prefetch_next_block(blocks: list) -> None:
+    """torchtitan's schedule (fsdp_prefetch): each block gathers the next block's parameters as its forward starts,
+    and the last block stays gathered after its forward (its backward comes next). A candidate for FSDP's gap to DDP
+    on one GPU where the compute stream waits on the all-gathers (the trace's `streams`)."""
+    for block, after in zip(blocks, blocks[1:], strict=False):
+        block.set_modules_to_forward_prefetch([after])
+    blocks[-1].set_reshard_after_forward(False)
 
 
 def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
@@ -231,7 +242,7 @@ def main() -> None:
     p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
     p.add_argument("--micro-batch", type=int, default=16, help="--lm: windows of 1024 tokens a GPU a step")
     p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself, as one process trains), "
-                   "ddp, fsdp")
+                   "ddp, fsdp, fsdp_prefetch (fsdp, each block prefetching the next, the last kept gathered)")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--json")
     args = p.parse_args()

@@ -14,7 +14,8 @@ ones, one at a time. The smoke times nothing: all its stages run at once (53 s o
                 under DDP and FSDP, with an asynchronous save at every step (several in a row)
   hf            the Hugging Face task: a tiny Llama made here (transformers), FSDP, bf16, task.init_from; a stop and a
                 relaunch with the losses of a run that never stopped; exported and reloaded by transformers
-  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's
+  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's (and FSDP with
+                torchtitan's prefetch schedule), each with a trace of 3 steps: host, streams, FSDP2's hooks
   resnet50      ResNet-50, 224 px, bf16, channels_last through `python -m train`, without and with compile
   imagefolder   an ImageFolder of JPEGs made at start, through `python -m train` with the machine's cores: data wait
                 and images/s against the GPU's (the resnet50 stage's)
@@ -387,7 +388,7 @@ def stage_hf(check: Check, out: Path) -> dict:
 def stage_fsdp_vs_ddp(check: Check, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "bench" / "gpu.py"),
-           "--lm", "--json", str(out / "lm.json"), "--variants", "plain,ddp,fsdp",
+           "--lm", "--json", str(out / "lm.json"), "--variants", "plain,ddp,fsdp,fsdp_prefetch",
            *(["--smoke"] if check.smoke else ["--compile", "--steps", "20"])]
     run(cmd, check.left_s())
     return json.loads((out / "lm.json").read_text())

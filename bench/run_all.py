@@ -119,6 +119,7 @@ GPU_ROWS = [
     ("fsdp_vs_ddp", "lm_ddp_tokens_per_s", "  DDP tokens/s", "", None),
     ("fsdp_vs_ddp", "lm_fsdp_tokens_per_s", "  FSDP tokens/s", "", None),
     ("fsdp_vs_ddp", "lm_fsdp_over_ddp_speed", "  FSDP / DDP", ">= 0.9", lambda v: v >= 0.9),
+    ("fsdp_vs_ddp", "lm_fsdp_prefetch_over_ddp_speed", "  FSDP, each block prefetching the next / DDP", "", None),
     ("resnet50", "eager.images_per_s", "ResNet-50 224 px bf16 channels_last through python -m train, images/s", "",
      None),
     ("resnet50", "compile.images_per_s", "  the same with train.compile, images/s", "", None),

@@ -184,9 +184,10 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     assert stages["stop_relaunch"]["ddp"]["equal"] and stages["stop_relaunch"]["fsdp"]["equal"]
     assert stages["stop_relaunch"]["ddp"]["saves"] >= 3  # an asynchronous save at every step, several in a row
     assert stages["hf"]["equal"] and stages["hf"]["export_loads"] and stages["hf"]["init_from_folder"]
-    assert stages["fsdp_vs_ddp"]["lm_fsdp_over_ddp_speed"] > 0
+    lm = stages["fsdp_vs_ddp"]
+    assert lm["lm_fsdp_over_ddp_speed"] > 0 and lm["lm_fsdp_prefetch_over_ddp_speed"] > 0, lm
     # its trace says how long the host spends in FSDP2's hooks a step (is the host what keeps the GPU waiting?)
-    hooks = stages["fsdp_vs_ddp"]["lm_fsdp_trace"]["host_labels"]
+    hooks = lm["lm_fsdp_trace"]["host_labels"]
     assert hooks["FSDP::pre_forward"]["calls_per_step"] >= 3 and hooks["FSDP::pre_forward"]["ms_per_step"] > 0, hooks
     assert stages["resnet50"]["compile"]["images_per_s"] > 0 and stages["imagefolder"]["images_per_s"] > 0
     assert check["machine"]["torch"]
