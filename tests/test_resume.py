@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,12 +372,97 @@ def test_resume_from_a_path(tmp_path, finished_run):
 
 
 def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):
+    """Nor does a relaunch with fewer steps: the run's record (config.yaml, run_info.json) stays its own."""
     copy_run(finished_run, tmp_path)
-    before = (tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()
+    before = _files(tmp_path)
     proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")  # the same command again
     assert "already complete at step 6" in proc.stdout
-    assert ((tmp_path / "summary.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
-    assert json.loads(before[0])["steps"] == 6 and os.path.exists(tmp_path / "config.yaml")
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=4")
+    assert "already complete at step 6" in proc.stdout
+    assert _files(tmp_path) == before
+    assert json.loads(before[Path("summary.json")])["steps"] == 6 and b"steps: 6" in before[Path("config.yaml")]
+
+
+def test_a_run_killed_before_its_first_save_starts_again_with_its_metrics_from_step_0(tmp_path):
+    """A run SIGKILLed (an OOM kill, a node lost) before any checkpoint starts again from step 0 when relaunched,
+    and its metrics.jsonl holds each step once: the killed attempt's lines go, its last one cut short or not.
+    The run is paused (SIGSTOP) before the kill, and killed only if it has saved nothing."""
+    proc = start(tmp_path, "train.steps=40", "train.log_every=1", "checkpoint.every=0")
+    wait_for_step(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGSTOP)
+    wait_for(lambda: is_stopped(proc.pid), 60, "the run to stop")
+    assert not list((tmp_path / "checkpoints").glob("step_*")), "it saved before the kill"
+    proc.kill()
+    proc.wait()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # the line a kill cut short
+    run_train(tmp_path, "train.steps=6", "train.log_every=1", "checkpoint.every=0")
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_step_folders_without_a_manifest_are_never_overwritten_or_deleted(tmp_path, finished_run):
+    """Every save of this project writes its manifest before its folder gets its step's name, so a step folder
+    without one is a copy or an edit by hand. It is not a free name: a relaunch tries it as a checkpoint that does
+    not load. When none loads the start is refused and every folder stays; when an older one loads, the others are
+    set aside, kept as they are, and never overwritten by a save of the same step or deleted by retention."""
+    copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6
+    for manifest in (tmp_path / "checkpoints").glob("step_*/manifest.json"):
+        manifest.unlink()
+    before = _files(tmp_path)
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", "train.steps=8", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no checkpoint of this run loads: step_00000006 incomplete (no manifest.json" in errors[0], errors[0]
+    assert _files(tmp_path) == before  # nothing trained, saved, deleted or set aside
+
+    # step 4 complete again: the folders without a manifest before it (2) and after it (6) are set aside
+    copy_run(finished_run / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / "step_00000004")
+    proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=2", "train.steps=8")
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout, proc.stdout
+    assert "step folders without a manifest (step_00000002, step_00000006) are set aside" in proc.stdout
+    kept = {p.relative_to(tmp_path / "checkpoints"): p.read_bytes()
+            for p in (tmp_path / "checkpoints" / "abandoned").rglob("step_*/*")}
+    assert {(k.parts[-2], k.parts[-1]): v for k, v in kept.items()} == {
+        (k.parts[-2], k.parts[-1]): v for k, v in before.items()
+        if k.parent.name in ("step_00000002", "step_00000006")}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000006", "step_00000008"]
+    assert sorted(train_losses(tmp_path)) == list(range(1, 9))
+
+
+def test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again(tmp_path, finished_run):
+    """Its summary.json says it ran: starting from step 0 would train it again over its metrics and summary."""
+    copy_run(finished_run, tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints")
+    before = _files(tmp_path)
+    for resume_from in ("auto", str(finished_run / "checkpoints" / "step_00000004")):
+        proc = run_train(tmp_path, "checkpoint.every=2", "checkpoint.keep=3", f"resume={resume_from}", expect=2)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{tmp_path} holds a finished run (summary.json) but none of its checkpoints" in errors[0], errors[0]
+        assert "new run.name or run.dir" in errors[0]
+        assert _files(tmp_path) == before
+
+
+def test_a_run_never_writes_over_a_users_folder(tmp_path):
+    """run.dir names a folder of the user's that holds files of the names a run writes (a project folder with its
+    own config.yaml, run.dir=.): refused in one line, before anything is written. A file as run.dir, or on its
+    path, is named as such."""
+    folder = tmp_path / "project"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "config.yaml").write_text("my: own config\n")
+    (folder / "report.txt").write_text("mine\n")
+    before = _files(folder)
+    proc = run_train(folder, expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"run.dir {folder} holds no run of this project but files a run writes (config.yaml, report.txt)" \
+        in errors[0] and "choose another run.dir" in errors[0], errors[0]
+    assert _files(folder) == before and not list((folder / "logs").iterdir())
+    (tmp_path / "afile").write_text("mine\n")
+    for run_dir in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        proc = run_train(run_dir, expect=2)
+        assert f"{tmp_path / 'afile'} is a file, not a folder; choose another with run.dir=" in proc.stderr
+    assert (tmp_path / "afile").read_text() == "mine\n"
 
 
 def test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path(tmp_path, finished_run):

@@ -362,6 +362,9 @@ def make_run_dir(run_dir: Path) -> None:
     made by root on a shared file system) otherwise fails much later, with a traceback from every rank,
     and under torchrun as a crash it would restart."""
     probe = run_dir / f".writable.{socket.gethostname()}.{os.getpid()}"
+    if file := next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None):
+        raise ConfigError(f"the run directory {run_dir} cannot be made: {file} is a file, not a folder; choose another "
+                          f"with run.dir=...")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.touch()  # mkdir succeeds on an existing folder without checking it is writable

@@ -383,12 +383,11 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             raise ConfigError(f"the checkpoints of {cfg.run_dir} changed while this launch started: relaunch")
         if source:
             pretrained.load(parts.raw, parts.task, source, log)
-        if resumed:
-            log.truncate_metrics(parts.step)
-        log.run_info(cfg, denv, device)
+        log.truncate_metrics(parts.step)  # from step 0 too: the records of an attempt that saved nothing are redone
         if parts.step >= cfg.train.steps and log.completed(parts.step):
             log.info(f"run {cfg.run_dir} is already complete at step {parts.step}; nothing to do")
-            return 0
+            return 0  # its record (config.yaml, run_info.json) stays that of the run that trained it
+        log.run_info(cfg, denv, device)
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
                  f"{_micro_steps(cfg.micro_batches(denv.world_size))} per rank a step, "
                  f"run dir {cfg.run_dir}")

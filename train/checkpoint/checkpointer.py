@@ -59,6 +59,7 @@ from train.checkpoint.dcp_io import (
 from train.checkpoint.resume import config_diff, decide, shapes, shapes_of, state_mismatch
 from train.checkpoint.storage import (
     FORMAT,
+    MANIFEST,
     NAME,
     TRAINER,
     SaveError,
@@ -358,14 +359,17 @@ class Checkpointer:
 
     def _set_aside_after(self, step: int) -> None:
         """Move this run's checkpoints after `step` (abandoned by a resume from it: a rollback, or a fall back
-        past corrupt newer ones) to abandoned/<time>-resumed-at-step-<step>/, so that they are kept but no
-        longer count: retention would otherwise delete each new save as it is written (they sort above it)
-        and `latest` could name one of them."""
+        past corrupt newer ones), and any step folder without its manifest (no save of this project: a copy), to
+        abandoned/<time>-resumed-at-step-<step>/, so that they are kept but no longer count: retention would
+        otherwise delete each new save as it is written (they sort above it) and `latest` could name one of them."""
         if not self.dir.is_dir():
             return
-        after = sorted(p for p in self.dir.iterdir() if (m := NAME.match(p.name)) and int(m.group(1)) > step)
+        after = sorted(p for p in self.dir.iterdir()
+                       if (m := NAME.match(p.name)) and (int(m.group(1)) > step or not (p / MANIFEST).exists()))
         if not after:
             return
+        what = "this run's later checkpoints" if all((p / MANIFEST).exists() for p in after) else \
+            "this run's later checkpoints and its step folders without a manifest"
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-resumed-at-step-{step}"
         for n in range(100):
             folder = self.dir / "abandoned" / (stamp if n == 0 else f"{stamp}.{n}")
@@ -385,8 +389,8 @@ class Checkpointer:
         fsync_dir(folder)
         fsync_dir(self.dir)
         names = ", ".join(p.name for p in after)
-        self.log.info(f"resumed at step {step}: this run's later checkpoints ({names}) are set aside in {folder}, "
-                      f"kept but no longer counted (retention, `latest`, resume=auto)")
+        self.log.info(f"resumed at step {step}: {what} ({names}) are set aside in {folder}, kept but no longer "
+                      f"counted (retention, `latest`, resume=auto)")
 
     def _agreed_candidates(self) -> tuple[list[Path], str | None]:
         """Rank 0's decision (the checkpoints to try, or its usage error), the same on every rank: a node with

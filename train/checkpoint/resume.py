@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from train.checkpoint.storage import (
+    MANIFEST,
     NAME,
     OLD_NAME,
     complete_checkpoints,
@@ -36,6 +37,13 @@ RESUME_CASES = {
         "the newest complete one (not newer than `latest`), bitwise as an uninterrupted run",
         ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
          "test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
+    "auto, step folders without a manifest": (
+        "tried in their turn as corrupt ones: a copy that lost its manifest.json is set aside (kept, never "
+        "overwritten or deleted) once an older one loads, and refused (exit 2) with every folder kept if none does",
+        ["test_resume.py::test_step_folders_without_a_manifest_are_never_overwritten_or_deleted"]),
+    "auto, a finished run whose checkpoints are gone": (
+        "refused (exit 2): its summary.json says it ran, and starting over would redo it and overwrite its record",
+        ["test_resume.py::test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again"]),
     "auto, the newest corrupt (any rank's share)": (
         "one warning each, all ranks fall back to the newest that loads; the newer ones are set aside",
         ["test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
@@ -101,7 +109,12 @@ def decide(cfg: Config) -> Decision:
     if not own and (old := old_checkpoints(folder)):
         raise ConfigError(f"{old[0]} is a checkpoint of an earlier version of this project (one .pt file): "
                           f"{convert_hint(folder)}")
+    if unfinished := _unfinished(folder):  # not written by a save of this project (a save renames into place)
+        if cfg.resume == "auto":
+            return Decision("auto, step folders without a manifest", sorted(own + unfinished, reverse=True))
     if cfg.resume == "auto":
+        if not own:
+            _refuse_a_finished_run(cfg)
         return Decision("auto, the run's own checkpoints" if own else "auto, no checkpoint", own)
     p = Path(cfg.resume)
     rollback = None
@@ -117,7 +130,25 @@ def decide(cfg: Config) -> Decision:
         return Decision("PATH, the run directory holds its own", own + [t for t in targets if t not in own], rollback)
     if rollback is not None:
         return Decision("PATH inside the run directory", targets, rollback)
+    _refuse_a_finished_run(cfg)
     return Decision("PATH, the run directory holds none of its own", targets)
+
+
+def _unfinished(folder: Path) -> list[Path]:
+    """Checkpoint folders without their manifest, which every save of this project writes before the folder gets
+    its name: a copy or an edit by hand. They count as checkpoints that do not load, never as free names."""
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if NAME.match(p.name) and p.is_dir() and not (p / MANIFEST).exists()]
+
+
+def _refuse_a_finished_run(cfg: Config) -> None:
+    """A start from step 0 (or from another run's checkpoint) where this run directory holds a finished run whose
+    checkpoints are gone: the run would be trained again and its metrics and summary overwritten."""
+    if (cfg.run_dir / "summary.json").is_file():
+        raise ConfigError(f"{cfg.run_dir} holds a finished run (summary.json) but none of its checkpoints: starting "
+                          f"again would train it again over its record. Choose a new run.name or run.dir, or put "
+                          f"its checkpoints back in {cfg.run_dir / 'checkpoints'}")
 
 
 def _targets(p: Path) -> list[Path]:
@@ -137,8 +168,19 @@ def _targets(p: Path) -> list[Path]:
     raise ConfigError(f"resume: {p} is neither a checkpoint folder nor a folder holding checkpoints")
 
 
+# What a run writes at the top of its run directory, over anything of those names there
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "report.txt", "report.png")
+
+
 def check_fresh_start(cfg: Config) -> None:
-    """resume=never starts afresh, which must not overwrite an earlier run's checkpoints and metrics."""
+    """A run writes into a run directory of its own: never over a user's files of the names it writes (a folder
+    that holds no run of this project: no run_info.json, which each start writes first, and no checkpoints);
+    and resume=never starts afresh, which must not overwrite an earlier run's checkpoints and metrics."""
+    d = cfg.run_dir
+    if d.is_dir() and not (d / "run_info.json").exists() and not (d / "checkpoints").exists():
+        if theirs := [n for n in RUN_FILES if (d / n).exists()]:
+            raise ConfigError(f"run.dir {d} holds no run of this project but files a run writes ({', '.join(theirs)})"
+                              f", which it would overwrite: choose another run.dir (a folder of its own)")
     if cfg.resume != "never":
         return
     found = [p.name for p in (cfg.run_dir / "checkpoints", cfg.run_dir / "metrics.jsonl", cfg.run_dir / "summary.json")

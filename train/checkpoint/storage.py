@@ -122,7 +122,7 @@ def verify(path: Path, share: int = 0, shares: int = 1) -> dict:
         manifest = json.loads((path / MANIFEST).read_text())
         files = sorted(manifest["files"].items())
     except FileNotFoundError:
-        raise ValueError(f"incomplete (no {MANIFEST}: the save did not finish)") from None
+        raise ValueError(f"incomplete (no {MANIFEST}: a save cut short, or a copy without it)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"unreadable ({MANIFEST}: {e})") from None
     mine = files[share::shares]

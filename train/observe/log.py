@@ -204,11 +204,20 @@ class RunLog:
                              f"try: python -m train.report {self.run_dir}")
 
     def truncate_metrics(self, after_step: int) -> None:
-        """Drop records past `after_step`: a resumed run logs those steps again."""
+        """Drop records past `after_step`: a resumed run logs those steps again (a run from step 0: every record,
+        an earlier attempt's that saved nothing). A line cut short by a killed process goes too."""
         if self.is_main and self.metrics_path.exists():
-            lines = self.metrics_path.read_text().splitlines()
-            kept = [(ln, r) for ln in lines if ln.strip() and (r := json.loads(ln)).get("step", 0) <= after_step]
-            self.metrics_path.write_text("".join(ln + "\n" for ln, _ in kept))
+            kept = []
+            for ln in self.metrics_path.read_text().splitlines():
+                try:
+                    r = json.loads(ln)
+                except ValueError:
+                    continue
+                if isinstance(r, dict) and after_step > 0 and r.get("step", 0) <= after_step:
+                    kept.append((ln, r))
+            tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp")  # a kill now leaves the old file
+            tmp.write_text("".join(ln + "\n" for ln, _ in kept))
+            os.replace(tmp, self.metrics_path)
             self.last_train_loss = next((r["loss"] for _, r in reversed(kept) if "loss" in r), float("nan"))
 
     def completed(self, step: int) -> bool:
@@ -241,7 +250,6 @@ class RunLog:
         """Rank 0 records what ran: the resolved config, library versions, git commit, hardware."""
         if not self.is_main:
             return
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         info = {
             "versions": versions(),
             "git_commit": git_commit(),
@@ -250,7 +258,9 @@ class RunLog:
                       "master": f"{denv.master_addr}:{denv.master_port}"},
             "command": sys.argv,
         }
+        # run_info.json first: a folder holding it holds a run (resume.check_fresh_start), whatever follows
         (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def summary(self, record: dict) -> None:
         if self.is_main:
