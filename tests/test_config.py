@@ -36,6 +36,17 @@ def test_overrides_are_typed():
     assert cfg.dist.timeout_s == 30.0 and isinstance(cfg.dist.timeout_s, float)
 
 
+def test_override_of_a_text_key_keeps_the_text_as_typed():
+    """YAML 1.1 reads 007 as 7, on and no as booleans, 2024-01-01 as a date: a key of type str (or of a choice of
+    strings) takes the text instead. Keys of other types still read it as YAML."""
+    cfg = config.load("configs/default.yaml", ["run.name=007", "log.wandb.group=on", "log.wandb.tags=[a,b]",
+                                               "log.wandb.entity=2024-01-01", "checkpoint.async=on",
+                                               "optim.fused=true"])
+    assert cfg.run.name == "007" and cfg.run_dir == Path("runs/007")
+    assert cfg.log.wandb.group == "on" and cfg.log.wandb.tags == "[a,b]" and cfg.log.wandb.entity == "2024-01-01"
+    assert cfg.checkpoint.async_ is True and cfg.optim.fused is True
+
+
 def test_precedence_defaults_then_yaml_then_cli(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("train:\n  steps: 7\n  log_every: 3\noptim:\n  lr: 0.5\n")
@@ -56,6 +67,12 @@ def test_config_round_trips_through_dict():
     (["train.steps=abc"], "train.steps: expected int, got str"),
     (["train.steps=1.5"], "train.steps: expected int, got float"),
     (["optim.lr=-0.1"], "optim.lr must be > 0"),
+    (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
+    (["optim.lr=.inf"], "optim.lr must be a finite number, got inf"),
+    (["optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+    (["dist.timeout_s=1e999"], "dist.timeout_s must be a finite number, got 1e999"),
+    (["log.wandb.mode=off"], "log.wandb.mode: 'off' is not one of offline, online, disabled (did you mean 'offline'?)"),
+    (["log.progress_bar=no"], "log.progress_bar: 'no' is not one of auto, always, never"),
     (["train.precision=fp8"], "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
     (["optim.fused=1"], "optim.fused: 1 is not one of auto, true, false"),
     (["optim.fused=yes please"], "optim.fused: 'yes please' is not one of auto, true, false"),
@@ -110,6 +127,48 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
     nested.write_text("train: 3\n")
     with pytest.raises(ConfigError, match="train: expected a mapping"):
         config.load(str(nested), [])
+
+
+@pytest.mark.parametrize("entry", [["train", "--check"], ["train.launch", "--dry-run", "--"], ["train.doctor"]],
+                         ids=lambda e: e[0])
+def test_unreadable_config_file_exits_2_with_one_line(tmp_path, entry):
+    """A file that is not UTF-8 text (a binary given by mistake) and a folder: one line naming the cause, exit 2.
+    (A file the user may not read takes the same path; the tests run as root, who may read anything.)"""
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+    for path, message in [(binary, f"error: cannot read config file {binary}: not UTF-8 text (byte 0x80 at offset 8)"),
+                          (tmp_path, f"error: config file {tmp_path} is a folder, not a file")]:
+        proc = subprocess.run([PY, "-m", *entry, "--config", str(path)], cwd=ROOT, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_config_file_the_user_may_not_read(tmp_path, monkeypatch):
+    """As root (the tests) every file is readable: a PermissionError stands in for a mode-600 file of another user."""
+    f = tmp_path / "secret.yaml"
+    f.write_text("train:\n  steps: 3\n")
+    original = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self == f:
+            raise PermissionError(13, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(ConfigError, match=f"cannot read config file {f}: permission denied for uid .*: make it "
+                                          r"readable \(chmod a\+r\)"):
+        config.load(str(f), [])
+
+
+def test_duplicate_key_in_config_file_is_refused(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("optim:\n  lr: 0.1\ntrain:\n  steps: 3\noptim:\n  lr: 0.5\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml line 5: invalid YAML \(key 'optim' given twice, first on line 1"):
+        config.load(str(f), [])
+    f.write_text("optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.5\n")
+    with pytest.raises(ConfigError, match=r"line 4: invalid YAML \(key 'lr' given twice, first on line 2"):
+        config.load(str(f), [])
 
 
 def test_slurm_step_environment_is_detected():

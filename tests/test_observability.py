@@ -340,7 +340,7 @@ def test_report_of_a_run_without_steps_is_an_error(tmp_path):
     (["log.wandb.project=a/b"], "log.wandb.project must be a non-empty name"),
     (["log.wandb.tags=" + "x" * 65], "a tag is at most 64 characters"),
     (["log.straggler_threshold=0.9"], "log.straggler_threshold must be >= 1"),
-    (["log.progress_bar=on"], "log.progress_bar: True is not one of auto, always, never"),
+    (["log.progress_bar=on"], "log.progress_bar: 'on' is not one of auto, always, never"),
     (["profile.active=0"], "profile.active must be >= 1"),
     (["profile.wait=-1"], "profile.wait and profile.warmup must be >= 0"),
 ])

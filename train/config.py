@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import socket
 import typing
@@ -188,8 +189,22 @@ def _unknown(key: str, prefix: str, obj: Any) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+class _Typed(str):
+    """A command-line value: the text as typed, and YAML's reading of it (.parsed). A key of type str (or of a
+    choice of strings) takes the text: run.name=007 is '007', log.wandb.mode=off is 'off' (YAML 1.1: 7, False)."""
+
+    def __new__(cls, text: str, parsed: Any):
+        self = super().__new__(cls, text)
+        self.parsed = parsed
+        return self
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check one value against its annotated type; ints are accepted for floats, nothing else is."""
+    if isinstance(value, _Typed):
+        text_wanted = tp is str or (typing.get_origin(tp) is Literal
+                                    and all(isinstance(c, str) for c in typing.get_args(tp)))
+        value = str(value) if text_wanted else value.parsed
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         if not any(value == c and type(value) is type(c) for c in choices):  # 1 is not True
@@ -205,13 +220,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # no key means anything by inf or nan: a run would train on NaNs
+                raise ConfigError(f"{key} must be a finite number, got {value}")
+            return number
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -305,17 +325,45 @@ def parse_args(argv: list[str] | None, prog: str = "python -m train",
     return p.parse_args(argv)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in a mapping (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' given twice, first on line {seen[key] + 1}: keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load(path: str | None, overrides: list[str], task: bool = True) -> Config:
-    """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars). With
-    task=False the task section is left out, unchecked (its module, a user's file, imports torch): what the
-    launcher checks itself before torchrun, whose process checks the rest (train/launch/torchrun.py)."""
+    """Defaults, then the YAML file, then `key.sub=value` overrides (values parsed as YAML scalars, except that a
+    key of type str takes the text as typed). With task=False the task section is left out, unchecked (its
+    module, a user's file, imports torch): what the launcher checks itself before torchrun, whose process checks
+    the rest (train/launch/torchrun.py)."""
     cfg = Config()
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a folder, not a file: name a YAML file in it") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                              f"offset {e.start}): a config is a YAML text file, saved as UTF-8") from None
+        except PermissionError:
+            raise ConfigError(f"cannot read config file {path}: permission denied for uid {os.getuid()}: make it "
+                              f"readable (chmod a+r) or copy it to a file this user can read") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        try:
+            data = yaml.load(text, _UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -335,6 +383,8 @@ def load(path: str | None, overrides: list[str], task: bool = True) -> Config:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if not isinstance(value, dict):  # a mapping ({steps: 3}) is a section's keys; anything else keeps its text
+            value = _Typed(raw, value)
         _set_dotted(cli, key.strip(), value)
     cli_task = cli.pop("task", {})
     _merge(cfg, cli)
