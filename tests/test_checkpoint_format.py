@@ -178,6 +178,59 @@ print(json.dumps({{"train": sorted(m for m in sys.modules if m.split(".")[0] == 
     assert err == f"error: {finished_resnet18} holds no complete checkpoint of step 3 (it has steps 2, 4, 6)\n", err
 
 
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_step_to_export_instead(tmp_path, capsys,
+                                                                                          finished_run):
+    """The latest checkpoint's trainer.pt cut short (an interrupted copy; the issue: torch's text cut mid-word, no
+    fix): exit 2, one line naming the file, what is wrong with it (by the size the save recorded) and the earlier
+    steps to export instead, which then exports. A tensor file that fails its checksum names the earlier steps too;
+    the first checkpoint has none to name; a trainer.pt as saved that does not load says torch's first sentence.
+    The checkpoints stay as they were, nothing is written but the export it names."""
+    run = copy_run(finished_run, tmp_path / "run")
+    ckpt = run / "checkpoints"
+    step = {n: ckpt / f"step_{n:08d}" for n in (2, 4, 6)}
+    trainer = step[6] / "trainer.pt"
+    saved = trainer.stat().st_size
+    trainer.write_bytes(trainer.read_bytes()[:1000])
+    files = lambda: {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    proc = subprocess.run([PY, "-m", "train.export", str(run)], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc
+    assert proc.stderr == (f"error: checkpoint {step[6]} is damaged (its trainer.pt is truncated: 1000 bytes where "
+                           f"the save wrote {saved}): export an earlier one with --step 4 (saved: steps 2, 4), or "
+                           f"restore step_00000006 from a copy\n"), proc.stderr
+    assert files() == before
+    assert export.main([str(run), "--step", "4"]) == 0  # the step the line names exports
+    assert (run / "export" / "step_00000004.pt").is_file()
+    capsys.readouterr()
+
+    shard = step[4] / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    assert export.main([str(run), "--step", "4"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {step[4]} fails its checksum (__0_0.distcp: CRC-32 differs): export an earlier one with "
+        f"--step 2 (saved: step 2), or restore step_00000004 from a copy\n")
+    manifest = json.loads((step[2] / "manifest.json").read_text())
+    garbage = (step[2] / "trainer.pt").read_bytes()[:1000]  # recorded as what the save wrote: as saved, unloadable
+    manifest["files"]["trainer.pt"] = {"bytes": len(garbage), "crc32": zlib.crc32(garbage)}
+    (step[2] / "manifest.json").write_text(json.dumps(manifest))
+    (step[2] / "trainer.pt").write_bytes(b"")
+    before = files()
+    assert export.main([str(run), "--step", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {step[2]} is damaged (its trainer.pt is truncated: 0 bytes where the save wrote "
+        f"{len(garbage)}): the run holds no earlier checkpoint to export instead: restore step_00000002 from a copy\n")
+    (step[2] / "trainer.pt").write_bytes(garbage)
+    assert export.main([str(run), "--step", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {step[2]} does not load (its trainer.pt: RuntimeError: PytorchStreamReader failed reading "
+        f"zip archive: failed finding central directory): the run holds no earlier checkpoint to export instead: "
+        f"restore step_00000002 from a copy\n")
+    assert files() == {**before, step[2] / "trainer.pt": garbage}
+
 def _old_checkpoint(run_dir, step: int) -> dict:
     """A checkpoint as the earlier version wrote it (format 1): one torch.save'd dict, its .json (size,
     CRC-32), `latest` naming it; the model and optimizer after one step (momentum buffers exist)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
 
 import numpy as np
 import pytest
@@ -10,8 +11,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tests.conftest import copy_run, run_train, summary
+from tests.conftest import PY, ROOT, clean_env, copy_run, run_train, summary, train_cmd
+from tests.procs import finish
 from train import config
+from train.config import ConfigError
 from train.parallel import data
 from train.tasks import image
 
@@ -162,3 +165,75 @@ def test_imagefolder_without_val_is_one_line(tmp_path):
     (root / "val").rmdir()
     proc = run_train(tmp_path / "run", "task.data=imagefolder", f"task.path={root}", expect=2)
     assert f"{root}/val does not exist" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _bad_images(root):
+    """An ImageFolder of valid images but three in train/: a text file named .png, a PNG cut in half, a file removed
+    after the listing (each user's bytes as written)."""
+    write_imagefolder(root, per_class=8)
+    text, cut = root / "train" / "dog" / "3.png", root / "train" / "eel" / "5.png"
+    text.write_text("not an image\n")
+    cut.write_bytes(cut.read_bytes()[:len(cut.read_bytes()) // 2])
+    return text, cut
+
+
+def test_an_image_that_does_not_read_is_one_line_naming_the_file(tmp_path):
+    """The data set itself: a file that is not an image, one truncated, one gone since the folder was listed, each
+    a ConfigError naming the file, what failed (PIL's words without its file object) and the fix."""
+    root = tmp_path / "imgs"
+    text, cut = _bad_images(root)
+    ds = image.FolderDataset(root / "train", 16, True, True)
+    gone = root / "train" / "cat" / "2.png"
+    gone.unlink()
+    files = [path for path, _ in ds.base.samples]
+
+    def line(path) -> str:
+        with pytest.raises(ConfigError) as e:
+            ds[files.index(str(path))]
+        return str(e.value)
+
+    assert line(text) == f"task.path: {text} is not a readable image (PIL: cannot identify image file): remove or " \
+                         f"replace it"
+    assert line(cut) == f"task.path: {cut} is not a readable image (PIL: image file is truncated): remove or replace it"
+    assert line(gone) == f"task.path: {gone} was removed after the run listed the folder: restore it, or relaunch " \
+                         f"(the folder is listed again)"
+    x, label = ds[files.index(str(root / "train" / "cat" / "1.png"))]  # the others read as before
+    assert x.shape == (3, 16, 16) and label == 0
+
+
+@pytest.mark.parametrize("launcher", [False, True])
+def test_training_on_an_image_that_does_not_read_stops_in_one_line(tmp_path, launcher):
+    """The run reads a corrupt image at a step: exit 2 and the one line naming the file, not PIL's traceback. In the
+    training process (python -m train, num_workers=0): a text file and a cut PNG among 24 images, 8 a step (the first
+    epoch reads each one). Under the launcher, 2 ranks with a loader worker each, every training image a text file
+    (as the issue had it; so each rank finds one at its first batch, before any all-reduce, as in test_collate.py):
+    each rank's line at most once, then the launcher's verdict naming it. The images are as the user wrote them."""
+    root = tmp_path / "imgs"
+    text, cut = _bad_images(root)
+    if launcher:
+        for p in (root / "train").rglob("*.png"):
+            p.write_text("not an image\n")
+    before = {p: p.read_bytes() for p in root.rglob("*.png")}
+    overrides = ["task.data=imagefolder", f"task.path={root}", "train.global_batch_size=8", "train.micro_batch_size=4",
+                 "train.steps=3", f"data.num_workers={int(launcher)}"]
+    says = {f"task.path: {path} is not a readable image (PIL: {why}): remove or replace it"
+            for path, why in ((text, "cannot identify image file"), (cut, "image file is truncated"))}
+    if launcher:
+        says = {f"task.path: {p} is not a readable image (PIL: cannot identify image file): remove or replace it"
+                for p in (root / "train").rglob("*.png")}
+        cmd = [PY, "-m", "train.launch", "--nproc-per-node=2", "--", *train_cmd(tmp_path / "run", *overrides)[3:]]
+        rc, out, err = finish(subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True, start_new_session=True), timeout=180)
+        said = [line for line in err.splitlines() if line.startswith("[rank ")]
+        assert 1 <= len(said) <= 2 and len({line[:8] for line in said}) == len(said), err[-3000:]
+        assert all(line.split("] error: ", 1)[1] in says for line in said), said
+        last = err.strip().splitlines()[-1]
+        assert last.removeprefix("error: ").removesuffix(" (found by the workers; not retried)") in says, last
+    else:
+        proc = run_train(tmp_path / "run", *overrides, expect=None)
+        rc, err = proc.returncode, proc.stderr
+        assert err.count("\n") == 1 and err.removeprefix("error: ").strip() in says, err[-3000:]
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err and "PIL" not in err.replace("(PIL: ", ""), \
+        err[-3000:]
+    assert {p: p.read_bytes() for p in root.rglob("*.png")} == before

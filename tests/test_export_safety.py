@@ -5,13 +5,18 @@ Each case hashes the whole tree that must survive, before and after."""
 
 from __future__ import annotations
 
+import errno
+import grp
 import hashlib
 import json
 import os
+import pwd
 import random
 import resource
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -233,3 +238,86 @@ def test_a_failure_half_way_leaves_out_as_it_was(tmp_path, capsys, finished_run,
         assert fmt == "pt" or "OSError: [Errno 27] File too large" in err, err  # torch's zip writer: words of its own
     assert tree(tmp_path) == before
     exported(capsys, [str(run), "--format", fmt, "--out", str(new)])  # room enough: it works
+
+
+def _export(*args: str, user: list[str] | None = None) -> subprocess.CompletedProcess:
+    """python -m train.export ARGS, as the user sees it (under `user`, a command that changes it, if given)."""
+    return subprocess.run([*(user or []), PY, "-m", "train.export", *args], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_an_out_below_a_file_of_yours_is_one_line_and_the_file_is_kept(tmp_path, capsys, finished_run):
+    """--out below a file (the issue's case: mkdir's FileExistsError, then a NotADirectoryError from the cleanup over
+    it, a traceback and exit 1): exit 2 and one line naming the file and the fix, before the model is read; the file
+    as it was and nothing beside it, in either format, also a level deeper."""
+    afile = tmp_path / "afile"
+    afile.write_text("hello\n")
+    before = tree(tmp_path)
+    says = f"error: --out's parent {afile.resolve()} is a file, not a folder: choose another --out\n"
+    proc = _export(str(finished_run), "--out", str(afile / "x.pt"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", says), proc
+    for fmt, out in (("pt", afile / "sub" / "x.pt"), ("hf", afile / "model-hf")):
+        assert export.main([str(finished_run), "--format", fmt, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == says
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("fmt", ["pt", "hf"])
+def test_a_failed_write_beside_out_is_its_own_error_never_the_cleanups(tmp_path, fmt):
+    """publish() itself, where the folder changed after the check: below a file (mkdir fails; its cleanup must not
+    raise NotADirectoryError over that), or in a folder that refuses the write (EACCES). Each is ExportFailed, which
+    main() tells as the usage error it is (exit 2, the fix: destination_error); nothing left, no folder made."""
+    afile = tmp_path / "afile"
+    afile.write_text("hello\n")
+    before = tree(tmp_path)
+    name = "x.pt" if fmt == "pt" else "model-hf"
+
+    def refuse(tmp):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp))
+
+    for out, write, says in [
+            (afile / name, lambda tmp: tmp.write_bytes(b"w"),
+             f"--out's parent {afile} is a file, not a folder: choose another --out"),
+            (tmp_path / "new" / name, refuse,
+             f"--out's parent {tmp_path / 'new'} is not writable by uid {os.getuid()} gid {os.getgid()} (Permission "
+             f"denied): choose a writable --out, or make {tmp_path / 'new'} writable by that user")]:
+        with pytest.raises(export.ExportFailed) as failed:
+            export.publish(out, fmt, write, {})
+        assert export.destination_error(out, failed.value.__cause__) == says
+        assert tree(tmp_path) == before
+    with pytest.raises(export.ExportFailed) as failed:  # any other failure: not a usage error (exit 1, as before)
+        export.publish(tmp_path / name, fmt, lambda tmp: 1 / 0, {})
+    assert export.destination_error(tmp_path / name, failed.value.__cause__) is None
+
+
+def test_an_out_in_a_folder_you_cannot_write_is_one_line_exit_2(finished_run):
+    """A folder the user cannot write (as the issue: one line, but exit 1 and no fix named; a run.dir of the same
+    kind is exit 2): exit 2 and one line naming the folder, the user and the fix, before the model is read; also the
+    default --out in a run directory the user cannot write. Run as `nobody` (the tests run as root, whom no
+    permission stops) in a world-readable copy of the run (pytest's folders are root's alone)."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: no user here whom a folder's permissions stop")
+        user = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+        uid, gid = pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
+    else:
+        user, uid, gid = [], os.getuid(), os.getgid()
+    with tempfile.TemporaryDirectory(prefix="export-perm-") as folder:
+        root = Path(folder).resolve()
+        root.chmod(0o755)
+        run = copy_run(finished_run, root / "run")
+        ro = root / "read-only"
+        ro.mkdir()
+        (ro / "mine.txt").write_text("mine\n")
+        for p in (ro, run):
+            p.chmod(0o555)
+        before = tree(root)
+        for args, where in [(["--out", str(ro / "x.pt")], ro), (["--out", str(ro / "a" / "b" / "x.pt")], ro),
+                             ([], run)]:
+            proc = _export(str(run), *args, user=user)
+            assert (proc.returncode, proc.stdout) == (2, ""), proc
+            assert proc.stderr == (f"error: --out's parent {where} is not writable by uid {uid} gid {gid}: choose a "
+                                   f"writable --out, or make {where} writable by that user\n"), proc.stderr
+        assert tree(root) == before
+        run.chmod(0o755)  # for the TemporaryDirectory's cleanup (a non-root user's)
+        ro.chmod(0o755)

@@ -19,8 +19,9 @@ theirs.
 
 The checkpoint (the latest, or that of step N) is checked (its files' CRC-32s) and read in this one
 process, whatever the number of ranks that saved it. A bad RUN_DIR, no checkpoint or no checkpoint of step N, a
-task without a Hugging Face form, a checkpoint or a config.json that does not fit the model: one line, exit 2,
-nothing written.
+damaged checkpoint (a truncated trainer.pt, a file that fails its checksum: the line names the earlier steps to
+export instead), a task without a Hugging Face form, a checkpoint or a config.json that does not fit the model, an
+--out below a file or in a folder this user cannot write: one line, exit 2, nothing written.
 
 Nothing this command did not write is deleted or overwritten. An export leaves a marker (MARKER inside the
 folder; .NAME.train-export.json beside a pt file) listing its files, so the same export is replaced again
@@ -35,6 +36,7 @@ place: a failure leaves --out as it was.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -46,13 +48,22 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from train import config
 from train.checkpoint.dcp_io import Reader, error_text, read_state
-from train.checkpoint.storage import TRAINER, complete_checkpoints, convert_hint, old_checkpoints, verify
+from train.checkpoint.storage import (
+    TRAINER,
+    complete_checkpoints,
+    convert_hint,
+    file_crcs,
+    old_checkpoints,
+    read_manifest,
+    verify,
+)
 from train.config import OneLineParser, UsageError
 from train.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MARKER = ".train-export.json"  # in an hf export's folder; beside a pt file: .NAME.train-export.json
 WRITER = "python -m train.export"
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -143,11 +154,11 @@ def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int):
     try:
         verify(path)
     except ValueError as e:
-        raise UsageError(f"checkpoint {path} {e}") from None
+        raise UsageError(f"checkpoint {path} {e}: {instead(path)}") from None
     try:
         metadata = Reader(path).read_metadata()
     except Exception as e:
-        raise UsageError(f"checkpoint {path} does not load ({error_text(e)})") from None
+        raise UsageError(f"checkpoint {path} does not load ({error_text(e)}): {instead(path)}") from None
     stored = {fqn.removeprefix("model."): (md.size, md.properties.dtype)
               for fqn, md in metadata.state_dict_metadata.items()
               if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
@@ -157,15 +168,61 @@ def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int):
         raise UsageError(f"checkpoint {path} {e}: nothing written") from None
 
 
-# ---------------------------------------------------------------- what --out may replace
+# ---------------------------------------------------------------- a damaged checkpoint
+
+def _step(path: Path) -> int:
+    return int(path.name[5:])
+
+
+def damage(path: Path, name: str) -> str | None:
+    """What is wrong with the file `name` of checkpoint `path`, by the size and CRC-32 its manifest recorded (that
+    one file read), or None where it is as saved (or the manifest does not say)."""
+    want = read_manifest(path).get("files", {}).get(name)
+    if not isinstance(want, dict):
+        return None
+    got = file_crcs([path / name])[0]
+    if isinstance(got, FileNotFoundError):
+        return f"its {name} is missing"
+    if isinstance(got, OSError):
+        return f"its {name} cannot be read ({got.strerror or got})"
+    if got["bytes"] != want.get("bytes"):
+        cut = "truncated" if isinstance(want.get("bytes"), int) and got["bytes"] < want["bytes"] else "damaged"
+        return f"its {name} is {cut}: {got['bytes']} bytes where the save wrote {want.get('bytes')}"
+    if got["crc32"] != want.get("crc32"):
+        return f"its {name} is damaged: its CRC-32 differs from the one the save recorded"
+    return None
+
+
+def instead(path: Path) -> str:
+    """The fix for checkpoint `path` that does not load: the earlier checkpoints of the run (those whose trainer.pt
+    is as saved), else a copy of it."""
+    earlier = [p for p in complete_checkpoints(path.parent) if p.name < path.name and damage(p, TRAINER) is None]
+    if not earlier:
+        return f"the run holds no earlier checkpoint to export instead: restore {path.name} from a copy"
+    steps = ", ".join(str(_step(p)) for p in reversed(earlier))
+    return (f"export an earlier one with --step {_step(earlier[0])} (saved: step{'s' * (len(earlier) > 1)} {steps}), "
+            f"or restore {path.name} from a copy")
+
+
+def _short(e: BaseException) -> str:
+    """error_text's first sentence, cut at a word (torch's texts run to paragraphs)."""
+    text = error_text(e).split(". ", 1)[0].rstrip(".")
+    return text if len(text) <= 200 else text[:200].rsplit(" ", 1)[0] + " ..."
+
 
 def trainer_file(path: Path) -> dict:
     """The checkpoint's trainer.pt (small): the config it was trained with, its step; read before its tensors so
-    that a refused --out costs no read of the model."""
+    that a refused --out costs no read of the model. One that does not load: UsageError naming what is wrong with
+    it (truncated, changed: by the size and CRC-32 the save recorded) and the checkpoint to export instead."""
     try:
         return torch.load(path / TRAINER, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UsageError(f"checkpoint {path} does not load ({error_text(e)})") from None
+        if found := damage(path, TRAINER):
+            raise UsageError(f"checkpoint {path} is damaged ({found}): {instead(path)}") from None
+        raise UsageError(f"checkpoint {path} does not load (its {TRAINER}: {_short(e)}): {instead(path)}") from None
+
+
+# ---------------------------------------------------------------- what --out may replace
 
 
 def sources(cfg: dict) -> list[tuple[str, Path]]:
@@ -233,6 +290,24 @@ def is_own_export(out: Path, fmt: str) -> bool:
                                                                                           st.st_mtime_ns]}
 
 
+def _unwritable(folder: Path, why: str = "") -> str:
+    why = f" ({why})" if why else ""
+    return (f"--out's parent {folder} is not writable by uid {os.getuid()} gid {os.getgid()}{why}: choose a writable "
+            f"--out, or make {folder} writable by that user")
+
+
+def check_folder(out: Path) -> None:
+    """Where --out (a real path) would be written: the nearest of its parents that exists must be a folder this user
+    may write in (the export is written beside --out and renamed into place; the parents not made yet are made
+    there). UsageError (one line) naming the parent that is a file, or the folder that is not writable."""
+    folder = next(p for p in out.parents if os.path.lexists(p))  # "/" at least
+    if not folder.is_dir():
+        kind = "a file, not a folder" if folder.is_file() else "not a folder"
+        raise UsageError(f"--out's parent {folder} is {kind}: choose another --out")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(_unwritable(folder))
+
+
 def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, cfg: dict, default: Path) -> Path:
     """The real path to write the export at, or UsageError (one line) where that would delete or overwrite what
     this command did not write: the run's own files and the paths it started from never, a path of the user's
@@ -248,6 +323,7 @@ def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, 
     for path, what in protected[1:]:
         if _inside(out, path):
             raise UsageError(f"--out {given} is inside {what} ({path}): {never}")
+    check_folder(out)
     if not os.path.lexists(out):
         if fmt == "pt" and os.path.lexists(marker := _marker_of(out, fmt)) and _read_marker(marker) is None \
                 and not force:
@@ -308,11 +384,14 @@ def publish(out: Path, fmt: str, write, about: dict) -> None:
             os.replace(tmp, out)  # a crash between the two: the old marker does not fit the file, which is refused
             os.replace(marker, _marker_of(out, fmt))
     except BaseException as e:
+        # The cleanup never raises over the error itself (a tmp path below a file is no folder: NotADirectoryError)
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        marker.unlink(missing_ok=True)
+        for leftover in (tmp, marker):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
         for folder in made:
             try:
                 folder.rmdir()
@@ -321,6 +400,19 @@ def publish(out: Path, fmt: str, write, about: dict) -> None:
         if isinstance(e, Exception):
             raise ExportFailed(error_text(e)) from e
         raise
+
+
+def destination_error(out: Path, cause: BaseException | None) -> str | None:
+    """A failed export's usage error, where its cause is --out's folder (one changed since check_folder, or one
+    that refused what the check allowed): its line; None where the failure was something else."""
+    try:
+        check_folder(out)
+    except UsageError as e:
+        return str(e)
+    if isinstance(cause, OSError) and cause.errno in UNWRITABLE and cause.filename is not None \
+            and Path(cause.filename).parent == out.parent:  # creating a file or folder beside --out, or renaming one
+        return _unwritable(out.parent, cause.strerror or "")
+    return None
 
 
 def save_pt(weights: dict, tmp: Path) -> None:
@@ -349,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 weights = read_state(path, keys=("model",))["model"]
             except ValueError as e:
-                raise UsageError(f"checkpoint {path} {e}") from None
+                raise UsageError(f"checkpoint {path} {e}: {instead(path)}") from None
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -369,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
         publish(out, "pt", lambda tmp: save_pt(weights, tmp), about)
     except ExportFailed as e:
+        if (usage := destination_error(out, e.__cause__)) is not None:
+            print(f"error: {usage}; {given} is as it was", file=sys.stderr)
+            return 2
         print(f"error: the export to {given} failed ({e}); {given} is as it was", file=sys.stderr)
         return 1
     size = sum(t.numel() * t.element_size() for t in weights.values())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import os
 import pickle
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -161,8 +163,29 @@ class FolderDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, index: int):
-        img, label = self.base[index]
+        try:
+            img, label = self.base[index]
+        except Exception as e:  # only a failure pays for this (a try costs nothing in Python 3.11+)
+            raise ConfigError(unreadable_image(self.base.samples[index][0], e)) from None
         return self.transform(img), label
+
+
+def unreadable_image(path: str, e: Exception) -> str:
+    """The one line for an ImageFolder file that does not read (a corrupt or truncated image, a file that is not
+    an image, one removed or unreadable since the folder was listed): the file, what failed, the fix. Raised as a
+    ConfigError at the batch that reads it, in the training process or in a loader worker (torch re-raises that
+    there as a ConfigError: ConfigError.line), it ends the run as every usage error does: exit 2, one line on
+    each rank that read one, and under the launcher a verdict that does not retry it."""
+    if isinstance(e, FileNotFoundError):
+        return f"task.path: {path} was removed after the run listed the folder: restore it, or relaunch (the folder " \
+               f"is listed again)"
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:  # the file itself, not its content
+        return f"task.path: {path} cannot be read ({e.strerror}): make it readable by this user, or remove it"
+    text = str(e).split(" <_io.", 1)[0]  # PIL names the file by its open file object: "<_io.BufferedReader ...>"
+    text = text.replace(repr(path), "").replace(path, "").strip(" :") or type(e).__name__
+    frames = traceback.extract_tb(e.__traceback__)
+    who = "PIL" if frames and f"{os.sep}PIL{os.sep}" in frames[-1].filename else type(e).__name__
+    return f"task.path: {path} is not a readable image ({who}: {text}): remove or replace it"
 
 
 def builtin(n: int, num_classes: int, size: int, seed: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
