@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     PACED,
     PY,
@@ -257,6 +259,10 @@ def test_launcher_builds_one_command_line_from_arguments_or_environment():
     assert "--nnodes=2" in dry("--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=h:1", NNODES="1")
     assert "--rdzv-endpoint=[fd00::1]:29400" in dry("--nnodes=2", "--nproc-per-node=1",
                                                     "--rdzv-endpoint=[fd00::1]:29400")
+    # --rdzv-conf reaches torchrun on one node too: its --standalone rendezvous applies it
+    for one in (dry("--nproc-per-node=2", "--rdzv-conf=join_timeout=5"), dry("--nproc-per-node=2",
+                                                                              RDZV_CONF="join_timeout=5")):
+        assert "--standalone --rdzv-conf=join_timeout=5 -m train" in one, one
 
 
 def test_launcher_usage_errors_exit_2_before_torchrun():
@@ -265,6 +271,22 @@ def test_launcher_usage_errors_exit_2_before_torchrun():
         proc = subprocess.run([PY, "-m", "train.launch", *args], cwd=ROOT, env=clean_env(), capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, args
+
+
+@pytest.mark.parametrize("nodes", [[], ["--nnodes=2", "--rdzv-endpoint=127.0.0.1:1"]], ids=["one node", "two"])
+@pytest.mark.parametrize("dry", [["--dry-run"], []], ids=["dry run", "run"])
+def test_a_malformed_rdzv_conf_is_one_line_on_one_node_as_on_several(tmp_path, nodes, dry):
+    """torchrun reads --rdzv-conf under --standalone too (and stops on a malformed one with a traceback): the
+    launcher checks it the same way whatever the number of nodes, before anything is written or started."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PY, "-m", "train.launch", *nodes, *dry, "--rdzv-conf=join_timeout", "--", "--config",
+                           "configs/default.yaml", *TINY, f"run.dir={run_dir}"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("error: --rdzv-conf (RDZV_CONF) must be KEY=VALUE items separated by commas (e.g. "
+                                   "join_timeout=600,last_call_timeout=30), got 'join_timeout': 'join_timeout' has "
+                                   "no =VALUE"), proc.stderr
+    assert not run_dir.exists()
 
 
 def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):

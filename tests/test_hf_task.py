@@ -210,6 +210,8 @@ def test_fine_tuned_under_fsdp_stopped_resumed_bitwise_resized_and_exported_to_t
 
 
 CASES = {
+    "a folder that does not exist": "does not exist: check the path (a Hugging Face model folder, copied to this "
+                                    "machine: nothing is downloaded)",
     "no config.json": "has no config.json",
     "an unknown model_type": "has model_type 'llama-from-the-future', which transformers",
     "shapes that do not fit": "model.layers.0.mlp.gate_proj.weight has the shape [64, 32], the model's "
@@ -235,7 +237,9 @@ def test_a_folder_or_shards_that_do_not_fit_the_model_are_one_line_exit_2(tmp_pa
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bad / name).write_bytes((folder / name).read_bytes())
     config = json.loads((bad / "config.json").read_text())
-    if case == "no config.json":
+    if case == "a folder that does not exist":
+        bad = tmp_path / "nowhere"
+    elif case == "no config.json":
         (bad / "config.json").unlink()
     elif case == "an unknown model_type":
         (bad / "config.json").write_text(json.dumps(config | {"model_type": "llama-from-the-future"}))

@@ -125,7 +125,7 @@ OTHERWISE = {
 }
 
 
-@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model",
+@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model", "missing",
                                   *OTHERWISE, "fp8 with its quantization_config", "fp8 weights alone"])
 def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case):
     folder = hf_models.tiny_gpt2(tmp_path / "gpt2", **OTHERWISE.get(case, ({},))[0])
@@ -149,6 +149,10 @@ def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case
     elif case == "another vocabulary":
         overrides.append("task.vocab_size=64")  # 64 rows; the folder has 100
         words = "transformer.wte.weight has the shape [100, 32], the model's transformer.wte.weight needs [64, 32]"
+    elif case == "missing":
+        overrides = [f"task.init_from={tmp_path / 'nowhere'}"]
+        words = (f"task.init_from: {tmp_path / 'nowhere'} does not exist: check the path (a Hugging Face model folder, "
+                 "or a run directory or checkpoint folder of this project, on this machine: nothing is downloaded)")
     else:
         overrides = [f"task.init_from={tmp_path}"]
         words = "is neither a Hugging Face model folder (config.json and *.safetensors) nor a run directory"

@@ -364,11 +364,31 @@ def test_resume_from_a_path(tmp_path, finished_run):
     assert "at step 4" in proc.stdout
     assert_same_state(latest_state(branch), latest_state(finished_run))
     proc = run_train(tmp_path / "x", f"resume={tmp_path / 'nowhere'}", expect=2)
-    assert "is neither a checkpoint folder nor a folder" in proc.stderr
+    assert f"resume: {tmp_path / 'nowhere'} does not exist: check the path" in proc.stderr
     # a new run from another run's checkpoint may take a seed of its own (a relaunch of a run may not: test_data)
     proc = run_train(tmp_path / "seeded", f"resume={finished_run / 'checkpoints' / 'step_00000004'}", "seed=1",
                      "train.steps=5")
     assert "trained with seed=0: from its data position on, this run's seed=1 orders the data" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "missing, relative", "no checkpoint there"])
+def test_a_resume_path_that_does_not_exist_is_called_missing_one_of_the_wrong_kind_is_named_so(tmp_path, case):
+    """resume=PATH with a typo says the path does not exist (a relative one: where it starts); a folder that is
+    there but holds no checkpoint is named as such. One line, exit 2, no checkpoint written."""
+    expected = "a checkpoint folder step_NNNNNNNN, or a run directory or checkpoints folder that holds them"
+    if case == "missing":
+        target = tmp_path / "nowhere" / "step_00000002"
+        line = f"error: resume: {target} does not exist: check the path ({expected})"
+    elif case == "missing, relative":
+        target = "nowhere/step_00000002"
+        line = f"error: resume: {target} does not exist (relative paths start at {ROOT}): check the path ({expected})"
+    else:
+        target = tmp_path / "empty"
+        target.mkdir()
+        line = f"error: resume: {target} is neither a checkpoint folder nor a folder holding checkpoints"
+    proc = run_train(tmp_path / "run", f"resume={target}", expect=2)
+    assert proc.stderr.strip() == line, proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_relaunching_a_finished_run_changes_nothing(tmp_path, finished_run):

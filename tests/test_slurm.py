@@ -271,6 +271,41 @@ def test_submit_requires_nodes_and_a_config():
     assert proc.stderr.strip() == "error: config file not found: configs/missing.yaml", proc.stderr
 
 
+REFUSAL = "sbatch: error: Batch job submission failed: Invalid partition name specified"
+
+
+@pytest.mark.parametrize("where", ["a new run dir", "a run dir with files", "--folder with %j"])
+def test_a_refused_submission_leaves_none_of_its_files_and_all_that_was_there(tmp_path, where):
+    """sbatch's refusal (here a stand-in sbatch that refuses every script, after checking it was written: no SLURM
+    needed) is one line, exit 1, and what train.submit wrote for it (submitit's job pickle and sbatch script, the
+    folders made for them) is removed; what was there before stays, byte for byte."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\ntest -f "$1" && echo "$1" >> {tmp_path / "scripts"}\necho "{REFUSAL}" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    run_dir, folder = tmp_path / "runs" / "run", []
+    if where == "a run dir with files":
+        for name, text in [("notes.txt", "mine"), ("submitit/7_submitted.pkl", "an earlier job's"),
+                           ("submitit/0123456789abcdef0123456789abcdef.pkl", "another submission's")]:
+            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / name).write_text(text)
+    elif where == "--folder with %j":
+        folder = ["--folder", str(tmp_path / "logs" / "%j")]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.parent != fake.parent}
+    proc = subprocess.run([PY, "-m", "train.submit", "--nodes", "1", *CPU_NODES, *folder, "--", "--config",
+                           "configs/default.yaml", f"run.dir={run_dir}"], cwd=ROOT,
+                          env=clean_env(PATH=f"{fake.parent}:{os.environ['PATH']}"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"error: submission failed: {REFUSAL}", proc.stderr
+    (script,) = (tmp_path / "scripts").read_text().split()  # sbatch was given the script train.submit wrote
+    assert Path(script).parent == (tmp_path / "logs" if folder else run_dir / "submitit")
+    (tmp_path / "scripts").unlink()
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.parent != fake.parent}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["bin", "runs"] if before else ["bin"])
+
+
 def test_submit_rendezvous_from_the_allocation(monkeypatch):
     from train.submit import TrainJob, parse_time
 

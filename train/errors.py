@@ -6,6 +6,7 @@ entry points (python -m train, train.launch, .prepare, .export, .report, .doctor
 its components (data, checkpoints, distributed setup, logs) -> config -> this module.
 """
 
+import os
 import sys
 
 
@@ -21,6 +22,13 @@ class ConfigError(ValueError):
             return text
         _, found, message = text.rpartition(f"\n{kind.__module__}.{kind.__qualname__}: ")  # the traceback's last line
         return message.strip() if found else text.splitlines()[0]
+
+
+def missing_path(key: str, path: "os.PathLike | str", expected: str) -> ConfigError:
+    """The error for a path a setting names that does not exist (a typo, a folder not copied to this machine):
+    `key: PATH does not exist: check the path (expected)`, saying where a relative path starts."""
+    where = "" if os.path.isabs(path) else f" (relative paths start at {os.getcwd()})"
+    return ConfigError(f"{key}: {path} does not exist{where}: check the path ({expected})")
 
 
 class UsageError(Exception):

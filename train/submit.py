@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from train.errors import EXIT_REQUEUE, EXIT_USAGE
@@ -217,6 +218,48 @@ def processes_per_node(args: argparse.Namespace) -> tuple[str, int, str]:
     return "auto", 2, "auto on CPU nodes"
 
 
+class Written:
+    """What a submission writes before sbatch answers, removed again when it fails: submitit's pickle of the job
+    (<uuid>.pkl) and its sbatch script (.submission_file_<uuid>.sh) in its folder (the part of --folder before any
+    %j), named after uuids drawn in this process (recorded while it submits: never another submission's files,
+    nor anything that was there before), and the folders made for them while they are empty."""
+
+    def __init__(self, folder: Path):
+        from submitit.core.utils import JobPaths
+
+        self.folder = JobPaths.get_first_id_independent_folder(folder)
+        # the folders this command would make, innermost first
+        self.made = [d for d in (self.folder, *self.folder.parents) if not d.exists() and not d.is_symlink()]
+        self.uuids: list[str] = []
+
+    @contextlib.contextmanager
+    def recording(self):
+        """submitit names its files after uuid.uuid4(): the ones drawn in here are this submission's."""
+        real = uuid.uuid4
+
+        def uuid4() -> uuid.UUID:
+            u = real()
+            self.uuids.append(u.hex)
+            return u
+
+        uuid.uuid4 = uuid4
+        try:
+            yield
+        finally:
+            uuid.uuid4 = real
+
+    def remove(self) -> None:
+        for h in self.uuids:
+            for name in (f"{h}.pkl", f".submission_file_{h}.sh"):
+                with contextlib.suppress(OSError):
+                    (self.folder / name).unlink()
+        for d in self.made:  # only while empty: anything written there since stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
 def job_state(job_id: str) -> str:
     """SLURM's state of the job (PENDING, RUNNING, COMPLETED, ...), or '' once SLURM forgot it."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
@@ -263,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = cfg.run_dir.resolve()
     folder = Path(args.folder) if args.folder else run_dir / "submitit"
+    written = Written(folder)  # a failed submission leaves nothing of its own behind
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=args.max_timeouts, python=args.python)
     params = dict(job_name=args.name, nodes=args.nodes, ntasks_per_node=1, time=args.time,
                   signal_delay_s=args.signal_delay, stderr_to_stdout=False,
@@ -281,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         params["partition"] = args.partition
     executor.update_parameters(**params)
     try:  # submitit prints sbatch's refusal too: it is in the one line below
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), written.recording():
             job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
     except Exception as e:  # sbatch refused it: its message says why
+        written.remove()
         why = str(e).strip().splitlines()[-1] if str(e).strip() else str(e)
         if "generic resource" in why and args.gpus_per_node:
             why += " (a cluster or partition without GPUs: --gpus-per-node 0 --cpus-per-task N for CPU nodes)"

@@ -50,7 +50,7 @@ from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.errors import ConfigError
+from train.errors import ConfigError, missing_path
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ def is_hf_folder(path: Path) -> bool:
 
 def hf_config(folder: Path, key: str = "task.init_from") -> dict:
     """A Hugging Face folder's config.json, or a ConfigError naming what is missing."""
+    if not folder.exists():
+        raise missing_path(key, folder, "a Hugging Face model folder, copied to this machine: nothing is downloaded")
     if not folder.is_dir():
         raise ConfigError(f"{key}: {folder} is not a folder (a Hugging Face model folder, copied to this machine: "
                           f"nothing is downloaded)")

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from train.checkpoint.dcp_io import Reader, error_text
 from train.checkpoint.resume import shapes, shapes_of, state_mismatch
 from train.checkpoint.storage import NAME, complete_checkpoints, fsync_dir, verify
-from train.errors import ConfigError
+from train.errors import ConfigError, missing_path
 from train.task import HFModel, HFTensor, hf_config, is_hf_folder
 
 KEY = "task.init_from"
@@ -165,6 +165,9 @@ def _check_files(folder: Path, files: list[Path], option: str) -> None:
 
 def _checkpoint(path: Path, option: str = KEY) -> Path:
     """The checkpoint folder that `path` names: itself, or the newest complete one of a run directory."""
+    if not path.exists():
+        raise missing_path(option, path, "a Hugging Face model folder, or a run directory or checkpoint folder of "
+                                         "this project, on this machine: nothing is downloaded")
     if NAME.match(path.name) and path.is_dir():
         return path
     for folder in (path, path / "checkpoints"):

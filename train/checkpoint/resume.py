@@ -23,7 +23,7 @@ from train.checkpoint.storage import (
     read_manifest,
 )
 from train.config import Config, to_dict
-from train.errors import ConfigError
+from train.errors import ConfigError, missing_path
 
 # What a start does with the checkpoints it finds: every case, once. `decide` picks the case and its candidates
 # (the case's words are its log line), Checkpointer.resume tries them; check_fresh_start guards resume=never.
@@ -153,6 +153,9 @@ def _refuse_a_finished_run(cfg: Config) -> None:
 
 def _targets(p: Path) -> list[Path]:
     """The checkpoints resume=PATH names, newest first: PATH itself, or those in PATH or PATH/checkpoints."""
+    if not p.exists():
+        raise missing_path("resume", p, "a checkpoint folder step_NNNNNNNN, or a run directory or checkpoints "
+                                        "folder that holds them")
     for d in (p, p / "checkpoints"):
         if not complete_checkpoints(d) and old_checkpoints(d):
             raise ConfigError(f"resume: {p} holds checkpoints of an earlier version of this project (one .pt "

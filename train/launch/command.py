@@ -11,7 +11,7 @@ from pathlib import Path
 
 from train import config
 from train.errors import EXIT_REQUEUE, ConfigError
-from train.launch.rendezvous import join_timeout, split_endpoint
+from train.launch.rendezvous import check_conf, split_endpoint
 
 # The launcher's own code for "stopped after a checkpoint, relaunch me" where a scheduler needs another one
 # (3-255): the PyTorchJob's restartPolicy ExitCode retries only 128-255 (k8s/pytorchjob.yaml sets 143).
@@ -114,19 +114,19 @@ def torchrun_command(opts: dict[str, str | None], train_args: list[str], module:
     cmd = [sys.executable, "-m", "train.launch.torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={opts['max_restarts']}", f"--shutdown-timeout={opts['stop_timeout']}"]
     endpoint = opts["rdzv_endpoint"]
+    check_conf(opts["rdzv_conf"])
     if endpoint:
         split_endpoint(endpoint)
-        join_timeout(opts["rdzv_conf"])
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts['rdzv_id']}"]
         if opts.get("local_addr"):
             cmd.append(f"--local-addr={opts['local_addr']}")
-        if opts["rdzv_conf"]:
-            cmd.append(f"--rdzv-conf={opts['rdzv_conf']}")
     elif bounds[-1] == "1":
         cmd.append("--standalone")  # one node: a private rendezvous on a free local port
     else:
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (or RDZV_ENDPOINT, or "
                           "MASTER_ADDR and MASTER_PORT)")
+    if opts["rdzv_conf"]:  # torchrun applies it under --standalone too (to its local c10d rendezvous)
+        cmd.append(f"--rdzv-conf={opts['rdzv_conf']}")
     return cmd + ["-m", module, *train_args]
 
 

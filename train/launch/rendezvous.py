@@ -37,6 +37,22 @@ def rdzv_setting(conf: str | None, key: str) -> str | None:
     return found
 
 
+def check_conf(conf: str | None) -> None:
+    """--rdzv-conf as torchrun reads it, on one node (--standalone, its own local rendezvous) as on several:
+    KEY=VALUE items separated by commas, each with a key and a value (torchrun's own parse otherwise stops
+    it with a traceback), and join_timeout a number of seconds."""
+    if not (conf or "").strip():
+        return
+    for item in conf.split(","):
+        key, _, value = item.partition("=")
+        if not key.strip() or not value.strip():
+            what = (f"{item.strip()!r} has no =VALUE" if key.strip() else
+                    f"{item.strip()!r} has no KEY" if item.strip() else "an item is empty (a stray comma)")
+            raise ConfigError(f"--rdzv-conf (RDZV_CONF) must be KEY=VALUE items separated by commas (e.g. "
+                              f"join_timeout=600,last_call_timeout=30), got {conf!r}: {what}")
+    join_timeout(conf)
+
+
 def join_timeout(conf: str | None) -> float:
     """The rendezvous join timeout (torchrun's default: 600 s), as --rdzv-conf join_timeout sets it."""
     value = rdzv_setting(conf, "join_timeout")
