@@ -28,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from train.errors import EXIT_REQUEUE, EXIT_USAGE
@@ -221,8 +220,7 @@ def processes_per_node(args: argparse.Namespace) -> tuple[str, int, str]:
 class Written:
     """What a submission writes before sbatch answers, removed again when it fails: submitit's pickle of the job
     (<uuid>.pkl) and its sbatch script (.submission_file_<uuid>.sh) in its folder (the part of --folder before any
-    %j), named after uuids drawn in this process (recorded while it submits: never another submission's files,
-    nor anything that was there before), and the folders made for them while they are empty."""
+    %j) that were not there before, and the folders made for them while they are empty."""
 
     def __init__(self, folder: Path):
         from submitit.core.utils import JobPaths
@@ -230,29 +228,15 @@ class Written:
         self.folder = JobPaths.get_first_id_independent_folder(folder)
         # the folders this command would make, innermost first
         self.made = [d for d in (self.folder, *self.folder.parents) if not d.exists() and not d.is_symlink()]
-        self.uuids: list[str] = []
+        self.before = self._files()
 
-    @contextlib.contextmanager
-    def recording(self):
-        """submitit names its files after uuid.uuid4(): the ones drawn in here are this submission's."""
-        real = uuid.uuid4
-
-        def uuid4() -> uuid.UUID:
-            u = real()
-            self.uuids.append(u.hex)
-            return u
-
-        uuid.uuid4 = uuid4
-        try:
-            yield
-        finally:
-            uuid.uuid4 = real
+    def _files(self) -> set[Path]:
+        return set(self.folder.glob("*.pkl")) | set(self.folder.glob(".submission_file_*.sh"))
 
     def remove(self) -> None:
-        for h in self.uuids:
-            for name in (f"{h}.pkl", f".submission_file_{h}.sh"):
-                with contextlib.suppress(OSError):
-                    (self.folder / name).unlink()
+        for p in self._files() - self.before:
+            with contextlib.suppress(OSError):
+                p.unlink()
         for d in self.made:  # only while empty: anything written there since stays
             try:
                 d.rmdir()
@@ -325,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         params["partition"] = args.partition
     executor.update_parameters(**params)
     try:  # submitit prints sbatch's refusal too: it is in the one line below
-        with contextlib.redirect_stderr(io.StringIO()), written.recording():
+        with contextlib.redirect_stderr(io.StringIO()):
             job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
     except Exception as e:  # sbatch refused it: its message says why
         written.remove()
