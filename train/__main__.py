@@ -24,21 +24,39 @@ from train.supported import check_torch
 USAGE_WAIT_S = 60  # how long a worker with a usage error waits for the launcher to end it
 
 
-def _mark_usage_error(run_dir: Path, error: str) -> None:
+def _mark_usage_error(run_dir: Path, error: str) -> bool:
     """Under the launcher (train/launch/launcher.py), which would otherwise see torchrun restart the workers as after
-    a crash: tell it that this one is a usage error, so it stops torchrun (.launch/<its launch id>.USAGE_ERROR;
-    the ranks of one node write the same one, the last rename wins)."""
+    a crash: tell it that this one is a usage error, so it stops torchrun and says the line, once, as its last
+    (.launch/<its launch id>.USAGE_ERROR; the ranks of one node write the same one, the last rename wins).
+    Whether it was written: where not, this rank says its line itself."""
     try:
         launch = os.environ[LAUNCH_ID_VAR]
         markers.write(run_dir, "USAGE_ERROR", {"time": time.time(), "error": error, "launch_id": launch})
     except OSError:
-        return  # the launcher then sees an ordinary failure
+        return False  # the launcher then sees an ordinary failure
+    return True
+
+
+def _to_rank_log(run_dir: Path, rank: int, error: str) -> None:
+    """The rank's error into its log file (<run_dir>/logs/rank<N>.log, as train/observe/log.py writes it), where the
+    launcher, not the rank, says it on the console."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "logs" / f"rank{rank}.log", "a") as f:
+            f.write(f"{stamp} [rank {rank}] ERROR {error}\n")
+    except OSError:
+        pass  # the launcher's line is the one the user reads
+
+
+def _wait_for_the_launcher() -> None:
+    """After the USAGE_ERROR marker: wait for the launcher to stop torchrun (it polls twice a second); exiting now
+    would let torchrun restart this worker, which would fail the same way (--max-restarts times)."""
     if (distributed := sys.modules.get("train.parallel.distributed")) is not None:
         # The error may have come at a batch: that loader's workers end now, not killed with this process by the
         # launcher (their queues' semaphores would be reported as leaked).
         distributed.release_loader_workers()
-    # Wait for the launcher to stop torchrun (it polls twice a second): exiting now would let torchrun
-    # restart this worker, which would fail the same way (--max-restarts times, each with its line).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     if signals.received():
@@ -48,7 +66,8 @@ def _mark_usage_error(run_dir: Path, error: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Usage errors, whether found in the config or by the trainer (data, devices, checkpoints, tracker),
-    end here: one line, exit 2, and under the launcher a marker so that torchrun does not retry them."""
+    end here: exit 2 and one line, said by this process, or under the launcher a marker (so that torchrun does not
+    retry them) whose line the launcher says once for every rank, this rank's line going to its log file."""
     args = parse_args(argv)
     cfg = denv = None
     try:
@@ -74,11 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error = e.line()  # one raised in a loader worker comes back with the worker's traceback: not shown
         prefix = f"[rank {denv.rank}] " if denv is not None and denv.world_size > 1 else ""
-        say(f"{prefix}error: {error}")
+        line = f"{prefix}error: {error}"
     # Out of the except block the traceback is let go, and with it the frames that held a loader's iterator: its
     # workers end now, not killed with this process by the launcher (their queues' semaphores left behind).
-    if cfg is not None and os.environ.get(LAUNCH_ID_VAR):
-        _mark_usage_error(cfg.run_dir, error)
+    if cfg is None or not os.environ.get(LAUNCH_ID_VAR):
+        say(line)  # alone, or under a bare torchrun or srun: each rank says it
+        return EXIT_USAGE
+    # Under the launcher, its last line says it, once (docs/launcher.md): every rank saying it too would show it
+    # once per rank more. The rank's own line goes to its log file first (the launcher may stop it at once).
+    rank = denv.rank if denv is not None else int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    _to_rank_log(cfg.run_dir, rank, error)
+    if not _mark_usage_error(cfg.run_dir, error):
+        say(line)
+        return EXIT_USAGE
+    _wait_for_the_launcher()
     return EXIT_USAGE
 
 

@@ -191,13 +191,20 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
     tail: list[str] = []
     usage: list[str] = []  # a worker's usage error: torchrun is stopped rather than let retry it
 
+    passthrough = Passthrough(sys.stderr)
+    passing = threading.Lock()  # the pump feeds it; this thread closes it
+
     def pump():
-        passthrough = Passthrough(sys.stderr)
         for line in proc.stderr:
             tail.append(line)
             del tail[:-400]
-            passthrough.feed(line)
-        passthrough.close()
+            with passing:
+                passthrough.feed(line)
+
+    def usage_error() -> bool:
+        if not usage and (marker := markers.read(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
+            usage.append(marker.get("error", "a usage error"))
+        return bool(usage)
 
     pumping = threading.Thread(target=pump, daemon=True)
     pumping.start()
@@ -205,8 +212,7 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
     while (rc := _wait(proc, 0.5)) is None:
         signals.see()
         _end_unanswered(cfg.run_dir, launch_id, proc.pid, killed)
-        if not usage and not stop and (marker := markers.read(cfg.run_dir, "USAGE_ERROR", launch_id)) is not None:
-            usage.append(marker.get("error", "a usage error"))
+        if not usage and usage_error() and not stop:  # (a stop was passed on to torchrun already)
             proc.send_signal(signal.SIGTERM)  # the workers wait for it (train/__main__.py): nothing retries
     if stop:
         # torchrun ends early when a third SIGTERM reaches it (SLURM signals every process of the step,
@@ -216,7 +222,16 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+    # torchrun may have ended before the loop saw the marker: a rank's usage error at run time is followed by the
+    # others' failures (the process group it tore down), and torchrun ends on the first of them at once.
+    usage_error()
     pumping.join(timeout=5)
+    with passing:
+        # torchrun's own traceback and report of the workers that failed (ChildFailedError) is held back to the
+        # end: after a usage error (its line, the last, says all) it is dropped, whichever ended torchrun first,
+        # this launcher's SIGTERM (then torchrun says nothing of it) or the failure of a rank the error left
+        # without its peer.
+        passthrough.close(failed_workers=not usage)
     try:
         return verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
     finally:
