@@ -3,6 +3,7 @@ tensor pairs (`task.storage=tensors`: two tensors, two storages, a sample), of d
 "y": tensor}: `records`), or of (x, y) numpy arrays (`numpy`). 5000 training samples are 10,000 separate
 tensors, each a storage of its own that a loader worker receives (issue 49: "ValueError: too many fds")."""
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ class SeparateSamples(Task):
         train_samples: int = 5000
         eval_samples: int = 300
         noise: float = 0.05
+        step_delay_s: float = 0.0  # a sleep in each micro-step: a run a test signals mid-way lasts while it does
 
     def check(self) -> None:
         if self.cfg.storage not in STORAGES:
@@ -70,6 +72,8 @@ class SeparateSamples(Task):
         return nn.Sequential(nn.Linear(c.inputs, c.hidden), nn.GELU(), nn.Linear(c.hidden, 1))
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
         x, y = batch
         return F.mse_loss(model(x).float(), y)
 

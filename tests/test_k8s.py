@@ -513,14 +513,18 @@ def test_a_run_volume_the_pod_cannot_write_stops_it_in_one_line(tmp_path):
 
 def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
     """python -m train itself (no launcher) makes the run directory where it creates it (train/observe/log.py):
-    a file in its place, which fails for any user."""
+    a file in its place, which fails for any user, is named as the file it is (no permission to fix)."""
     (tmp_path / "runs").write_text("not a folder\n")
     run_dir = tmp_path / "runs" / "x"
     from tests.conftest import TINY
 
     proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, f"run.dir={run_dir}"],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
-    _one_line_hint(proc, str(run_dir))
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in out and len(errors) == 1, out[-3000:]
+    assert errors[0] == (f"error: the run directory {run_dir} cannot be made: {tmp_path / 'runs'} is a file, not a "
+                         f"folder; choose another with run.dir=..."), errors[0]
 
 
 # ------------------------------------------------------------------- Kubeflow Trainer v2: the TrainJob

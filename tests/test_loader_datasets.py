@@ -39,7 +39,7 @@ def test_ten_thousand_separate_tensors_train_with_two_workers_per_rank_and_resum
     assert rc == 0, err[-3000:]
     assert summary(ref)["steps"] == 10
 
-    proc = launch(run)
+    proc = launch(run, "task.step_delay_s=0.2")  # paced (no number changes): steps 4 to 9 take a second at least
     paused_at = signal_at_step(proc, run, 4, ranks=2)
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
