@@ -109,9 +109,9 @@ def decide(cfg: Config) -> Decision:
     if not own and (old := old_checkpoints(folder)):
         raise ConfigError(f"{old[0]} is a checkpoint of an earlier version of this project (one .pt file): "
                           f"{convert_hint(folder)}")
-    if unfinished := _unfinished(folder):  # not written by a save of this project (a save renames into place)
-        if cfg.resume == "auto":
-            return Decision("auto, step folders without a manifest", sorted(own + unfinished, reverse=True))
+    # step folders without a manifest: no save of this project wrote them (a save renames into place)
+    if cfg.resume == "auto" and (unfinished := _unfinished(folder)):
+        return Decision("auto, step folders without a manifest", sorted(own + unfinished, reverse=True))
     if cfg.resume == "auto":
         if not own:
             _refuse_a_finished_run(cfg)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import torch
 import yaml
 
+from train.checkpoint.storage import write_atomic
 from train.config import Config, ConfigError, LogConfig, make_run_dir, to_dict, wandb_tags
 from train.parallel.distributed import DistEnv
 
@@ -215,9 +216,8 @@ class RunLog:
                     continue
                 if isinstance(r, dict) and after_step > 0 and r.get("step", 0) <= after_step:
                     kept.append((ln, r))
-            tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp")  # a kill now leaves the old file
-            tmp.write_text("".join(ln + "\n" for ln, _ in kept))
-            os.replace(tmp, self.metrics_path)
+            text = "".join(ln + "\n" for ln, _ in kept).encode()
+            write_atomic(self.metrics_path, lambda f: f.write(text))  # a kill now leaves the old file
             self.last_train_loss = next((r["loss"] for _, r in reversed(kept) if "loss" in r), float("nan"))
 
     def completed(self, step: int) -> bool:
