@@ -144,6 +144,10 @@ def gpu_check_lines(check: dict, source: str) -> list[str]:
             v = v.get(part) if isinstance(v, dict) else None
         met = "" if v is None or test is None else ("yes" if test(v) else "**no**")
         lines.append(f"| {label} | {'not measured' if v is None else fmt(v)} | {goal} | {met} |")
+    if "seconds" in check:  # the whole check (its stages partly overlap), or its time so far where it was cut short
+        whole = check["seconds"]
+        lines.append(f"| the whole check (`make gpu-check`), s | {whole:.0f} | <= 300 | "
+                     f"{'yes' if whole <= 300 else '**no**'} |")
     tests = stages.get("tests", {}).get("tests", {})
     if tests:
         lines += ["", "gpu-marked tests: " + "; ".join(f"{k} {v['verdict']} ({v['seconds']:.0f} s)"
@@ -154,6 +158,10 @@ def gpu_check_lines(check: dict, source: str) -> list[str]:
         note += f" (skipped: {st['skipped']})" if "skipped" in st else ""
         said.append(f"{name} {st.get('seconds', 0):.0f} s{note}")
     lines += ["", "Stages (seconds each): " + "; ".join(said)]
+    if warm := check.get("warm"):
+        lines += ["", "Warm-ups beside the result stages (torch.compile's cache; seconds each): " + "; ".join(
+            f"{k} {v.get('seconds', 0):.0f} s" + (f" (**{v['error'].splitlines()[0][:200]}**)" if "error" in v else "")
+            for k, v in warm.items())]
     return lines
 
 

@@ -51,10 +51,11 @@ def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
 @pytest.mark.parametrize("smoke", [False, True], ids=["gpu", "smoke"])
 def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_path, monkeypatch, smoke):
     """bench/gpu_check.py's schedule, with stages that only record when they run: on a GPU the result stages run
-    together (each must meet the others at a barrier), their processes with a share of the cores, then the timed
-    ones one at a time with every core; the smoke runs them all at once but imagefolder after resnet50 and memory
-    last. gpu_check.json lists the stages in order of value either way. (A GPU run's schedule is otherwise
-    first exercised on the GPU, whose minutes are few.)"""
+    together (each must meet the others at a barrier), their processes with a share of the cores, and beside them
+    the compiling stages' warm-ups (fsdp_vs_ddp's after gpt's), all ended before the timed ones start one at a time
+    with every core; the smoke runs them all at once but imagefolder after resnet50 and memory last.
+    gpu_check.json lists the stages in order of value either way. (A GPU run's schedule is otherwise first
+    exercised on the GPU, whose minutes are few.)"""
     import threading
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -64,7 +65,8 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
     names = [n for n, _ in gpu_check.STAGES]
     results = [n for n in names if n in gpu_check.AT_ONCE]
     first_at_once = results + (["gpt", "resnet50"] if smoke else [])
-    barrier = threading.Barrier(len(first_at_once), timeout=60)
+    warm_heads = [chain[0] for chain in gpu_check.WARM_CHAINS]  # each chain's first warm-up meets them too
+    barrier = threading.Barrier(len(first_at_once) + len(warm_heads), timeout=60)
     lock, events, running, most = threading.Lock(), [], [0], [0]
     images_started = threading.Event()
 
@@ -87,12 +89,25 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
             return {"threads": threads}
         return fn
 
+    def warm(name):
+        def fn(check, out):
+            with lock:
+                events.append(("start", "warm " + name))
+            if name in warm_heads:
+                barrier.wait()
+            with lock:
+                events.append(("end", "warm " + name))
+        return fn
+
     check = gpu_check.Check(tmp_path / "check", smoke, 600)
-    gpu_check.run_stages(check, [(n, stage(n)) for n in names])
-    stages = json.loads((tmp_path / "check" / "gpu_check.json").read_text())["stages"]
+    gpu_check.run_stages(check, [(n, stage(n)) for n in names], {n: warm(n) for n in gpu_check.WARM})
+    written = json.loads((tmp_path / "check" / "gpu_check.json").read_text())
+    stages = written["stages"]
     assert list(stages) == names
-    assert not [n for n, v in stages.items() if "error" in v], stages
     order = {e: i for i, e in enumerate(events)}
+    assert set(written["warm"]) == set(gpu_check.WARM) and "seconds" in written, written
+    assert order[("start", "warm fsdp_vs_ddp")] > order[("end", "warm gpt")]  # the model alone's graph is gpt's
+    assert not [n for n, v in stages.items() if "error" in v], stages
     shared = str(max(1, (os.cpu_count() or 1) // gpu_check.AT_ONCE_PROCESSES))
     assert all(stages[n]["threads"] == shared for n in results)
     assert order[("start", "memory")] > max(order[("end", n)] for n in names if n != "memory")
@@ -101,7 +116,8 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
         assert most[0] >= len(first_at_once)
     else:
         timed = [n for n in names if n not in results]
-        assert min(order[("start", n)] for n in timed) > max(order[("end", n)] for n in results)
+        ahead = results + ["warm " + n for n in gpu_check.WARM]
+        assert min(order[("start", n)] for n in timed) > max(order[("end", n)] for n in ahead)
         assert [e[1] for e in events if e[1] in timed] == [n for n in timed for _ in (0, 1)]  # one at a time, in order
         assert all(stages[n]["threads"] is None for n in timed)  # torch's default: every core
     assert gpu_check.SHARED_THREADS is None
@@ -191,9 +207,15 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     assert hooks["FSDP::pre_forward"]["calls_per_step"] >= 3 and hooks["FSDP::pre_forward"]["ms_per_step"] > 0, hooks
     assert stages["resnet50"]["compile"]["images_per_s"] > 0 and stages["imagefolder"]["images_per_s"] > 0
     assert check["machine"]["torch"]
+    # the warm-ups (on a GPU: the compiling stages' first steps, beside the result stages) ran their commands
+    assert set(check["warm"]) == {"gpt", "fsdp_vs_ddp", "resnet50"}, check["warm"]
+    assert not [k for k, v in check["warm"].items() if "error" in v], check["warm"]
+    assert (out / "warm" / "gpt" / "metrics.jsonl").exists() and (out / "warm" / "resnet50" / "summary.json").exists()
     sys.path.insert(0, str(ROOT / "bench"))
     import run_all
 
     table = "\n".join(run_all.gpu_check_lines(check, "gpu_check.json"))
     assert "| stopped and relaunched = never stopped, bitwise, DDP, async save every step | yes | yes | yes |" in table
     assert "torch " + check["machine"]["torch"] in table
+    assert f"| the whole check (`make gpu-check`), s | {check['seconds']:.0f} | <= 300 |" in table, table
+    assert check["seconds"] >= max(v["seconds"] for v in stages.values())
