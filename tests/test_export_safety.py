@@ -325,3 +325,17 @@ def test_an_out_in_a_folder_you_cannot_write_is_one_line_exit_2(finished_run):
         assert tree(root) == before
         run.chmod(0o755)  # for the TemporaryDirectory's cleanup (a non-root user's)
         ro.chmod(0o755)
+
+
+def test_a_run_directory_that_is_not_there_or_not_a_folder_is_named_as_such(tmp_path, capsys):
+    """The first argument mistyped says that it does not exist (and where a relative path starts), a file says
+    that it is a file: one line each, exit 2, nothing written."""
+    afile = tmp_path / "afile"
+    afile.write_text("hello\n")
+    for arg, says in ((str(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'} does not exist: check the path"),
+                      ("no/such/run", f"no/such/run does not exist (relative paths start at {os.getcwd()})"),
+                      (str(afile), f"{afile} is not a folder (give a run directory)")):
+        assert export.main([arg]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -164,13 +164,26 @@ def test_a_usage_error_found_by_the_workers_is_exit_2_once_not_retried(tmp_path,
     assert rc == 2, err[-3000:]
     assert last.startswith("error: ") and says in last and last.endswith("(found by the workers; not retried)"), last
     # Said once, in the launcher's last line: not by each rank as well (nor by the tries of torchrun's restarts).
-    # The ranks' own lines are in their log files (a rank the launcher stopped first may have none).
     said = [line for line in (out + err).splitlines() if says in line]
     assert said == [last], (said, err[-3000:])
-    logged = [(run_dir / "logs" / f"rank{r}.log") for r in (0, 1)]
-    assert any(f"[rank {r}] ERROR " in p.read_text() and says in p.read_text() for r, p in enumerate(logged)
-               if p.exists()), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    # A refused start writes nothing, as `python -m train` alone: the ranks' logs and the launch's markers went with
+    # the run directory they made.
+    assert not run_dir.exists(), sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+
+
+def test_a_start_refused_under_the_launcher_leaves_a_users_folder_as_it_was(tmp_path):
+    """run.dir naming a folder of the user's that holds a file a run writes (config.yaml) is refused by rank 0;
+    the launcher says it once and leaves the folder holding what it held (no logs/, no .launch/)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("lr: 3\n")
+    (folder / "notes").mkdir()
+    proc = launch(folder, launcher=("--nproc-per-node=2",))
+    rc, out, err = finish(proc, timeout=180)
+    assert rc == 2 and "holds no run of this project" in err.strip().splitlines()[-1], err[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "notes"]
+    assert (folder / "config.yaml").read_text() == "lr: 3\n"
 
 
 # Rank 0 alone meets a usage error at run time (a bad sample only it reads), held first at its first step; rank 1
@@ -216,6 +229,8 @@ def test_one_rank_s_usage_error_is_one_line_even_where_torchrun_ends_first_on_it
     assert [line for line in (out + err).splitlines() if says in line] == [last], err[-3000:]
     assert "[rank 1] error: a peer rank's connection broke" in err, err[-3000:]  # the race was run
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    # It came after the run began: the ranks' logs stay, with rank 0's line
+    assert says in (tmp_path / "run" / "logs" / "rank0.log").read_text()
 
 
 def test_a_bad_task_key_is_one_line_and_exit_2_before_any_worker_starts(tmp_path):

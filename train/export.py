@@ -58,7 +58,7 @@ from train.checkpoint.storage import (
     verify,
 )
 from train.config import OneLineParser, UsageError
-from train.errors import ConfigError
+from train.errors import ConfigError, missing_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MARKER = ".train-export.json"  # in an hf export's folder; beside a pt file: .NAME.train-export.json
@@ -95,6 +95,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def find(run_dir: Path, step: int | None) -> Path:
     """The checkpoint folder to export."""
+    if not run_dir.exists():
+        raise UsageError(str(missing_path("the run directory", run_dir, "a run's run.dir")))
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} is not a folder (give a run directory)")
     folder = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir

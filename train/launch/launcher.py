@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = check_training_args(train_args, task=args.dry_run or waits)
         cmd = torchrun_command(opts, train_args)
         check_world(cfg, cmd)
+        before = _entries(cfg.run_dir)  # what a start the workers refuse leaves as it found (_undo_refused_start)
         if waits and not args.dry_run:
             config.make_run_dir(cfg.run_dir)  # as torchrun's process does (torchrun.py), before the wait
     except ConfigError as e:
@@ -96,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     history = History(cfg.run_dir, opts)
     try:
-        rc = _launch(args, opts, cmd, cfg, train_args, signals)
+        rc = _launch(args, opts, cmd, cfg, train_args, signals, before)
     except NotUp as e:  # nothing was trained: the job should be retried (PyTorchJob: 143, recreated), a few times
         say(f"launch: {e}")
         return history.end(EXIT_REQUEUE, failed=True)
@@ -104,7 +106,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str], cfg: config.Config,
-            train_args: list[str], signals: Signals) -> int:
+            train_args: list[str], signals: Signals, before: tuple[set[str], Path | None]) -> int:
     """Wait for the rendezvous host, run the doctor if asked, then the training's torchrun: the exit code."""
     try:
         if opts["rdzv_endpoint"]:
@@ -125,11 +127,11 @@ def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str
             print("+ " + shlex.join(doctor), file=sys.stderr, flush=True)
             signals.check()
             failure = "error: the preflight doctor failed: see its FAIL rows above"
-            if (rc := _run(doctor, opts, cfg, signals, failure, debug)) != 0:
+            if (rc := _run(doctor, opts, cfg, signals, before, failure, debug)) != 0:
                 return rc
         signals.check()
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
-        return _run(cmd, opts, cfg, signals, debug=debug)
+        return _run(cmd, opts, cfg, signals, before, debug=debug)
     except Stopped as e:
         say(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
              f"relaunch to continue (exit {EXIT_REQUEUE})")
@@ -172,9 +174,11 @@ def _end_unanswered(run_dir: Path, launch_id: str, torchrun: int, killed: set[in
 
 
 def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signals: Signals,
+         before: tuple[set[str], Path | None],
          failure: str | None = None, debug: bool = False) -> int:
     """Run torchrun (the training's, or with `failure` the doctor's), passing stop signals on; map its end
-    to 0, 75 (stopped after a checkpoint, or before training began: requeue) or 1 (one line)."""
+    to 0, 75 (stopped after a checkpoint, or before training began: requeue), 2 (a usage error: the start the
+    workers refused leaves the run directory as `before`, the names it held) or 1 (one line)."""
     launch_id = uuid.uuid4().hex
     budget = int(opts["stop_timeout"])
     env = worker_env(os.environ, cfg.run_dir, debug) | {LAUNCH_ID_VAR: launch_id}
@@ -233,6 +237,43 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
         # without its peer.
         passthrough.close(failed_workers=not usage)
     try:
-        return verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+        rc = verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+        if usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None:
+            _undo_refused_start(cfg.run_dir, before)
+        return rc
     finally:
         markers.forget(cfg.run_dir, launch_id)
+
+
+def _entries(run_dir: Path) -> tuple[set[str], Path | None]:
+    """The names in the run directory, and the outermost folder on its path that is not there yet (None: all are)."""
+    made = None
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        made = folder
+    try:
+        return set(os.listdir(run_dir)), made
+    except OSError:
+        return set(), made
+
+
+def _undo_refused_start(run_dir: Path, before: tuple[set[str], Path | None]) -> None:
+    """A start the workers refused, before any training (a usage error, said once by the launcher): the folders
+    that only this launch's processes wrote to (logs/ for the ranks' lines, .launch/ for its markers) go, and so
+    do the run directory and the folders above it that this launch made. Where anything else is new there (a run
+    began: config.yaml, checkpoints), nothing goes. (`python -m train` alone refuses before it writes anything.)"""
+    held, made = before
+    new = _entries(run_dir)[0] - held
+    if not new <= {"logs", ".launch"}:
+        return
+    for name in new:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    if made is not None:
+        for folder in (run_dir, *run_dir.parents):
+            try:
+                folder.rmdir()  # (not empty: another node's launcher wrote there meanwhile; it stays)
+            except OSError:
+                return
+            if folder == made:
+                return
