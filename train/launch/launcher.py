@@ -230,17 +230,24 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
     # others' failures (the process group it tore down), and torchrun ends on the first of them at once.
     usage_error()
     pumping.join(timeout=5)
-    with passing:
-        # torchrun's own traceback and report of the workers that failed (ChildFailedError) is held back to the
-        # end: after a usage error (its line, the last, says all) it is dropped, whichever ended torchrun first,
-        # this launcher's SIGTERM (then torchrun says nothing of it) or the failure of a rank the error left
-        # without its peer.
-        passthrough.close(failed_workers=not usage)
     try:
-        rc = verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+        try:
+            judged = verdict(rc, cfg, signals, launch_id, budget, usage, tail, opts, failure)
+        except Stopped:  # (the doctor's, stopped)
+            with passing:
+                passthrough.close()
+            raise
+        with passing:
+            # torchrun's own traceback and report of the workers that failed (ChildFailedError) is held back to the
+            # end, and dropped where the verdict's line names the cause (a usage error, whichever ended torchrun
+            # first, this launcher's SIGTERM or the failure of a rank the error left without its peer; a rank's
+            # own error; a hang)
+            passthrough.close(failed_workers=judged.report)
+        if judged.line:
+            say(judged.line)
         if usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None:
             _undo_refused_start(cfg.run_dir, before)
-        return rc
+        return judged.code
     finally:
         markers.forget(cfg.run_dir, launch_id)
 

@@ -12,6 +12,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from train import config
 from train.checkpoint.storage import NAME, complete_checkpoints
@@ -136,48 +137,53 @@ def _first_failure(run_dir: Path, launch_id: str, ended: int) -> dict | None:
     return next((m for m in found if m.get("round", 0) == last), None) if last >= ended else None
 
 
+class Verdict(NamedTuple):
+    code: int  # the launcher's exit code
+    line: str | None  # its last line (None: said already)
+    report: bool = True  # whether torchrun's report of the failed workers (ChildFailedError) adds to the line
+
+
 def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budget: int, usage: list[str],
-             tail: list[str], opts: dict[str, str | None], failure: str | None) -> int:
+            tail: list[str], opts: dict[str, str | None], failure: str | None) -> Verdict:
     """The launcher's exit code for how torchrun ended, and its last line. torchrun's restarts (--max-restarts)
     keep the launch's id: a STOPPED or STARTED marker counts only if the round that ended wrote it, the round
     running when the stop came, else the last one torchrun ran (whose workers cleared the markers of the
-    rounds before it, train/__main__.py)."""
+    rounds before it, train/__main__.py). torchrun's report of its failed workers, whose "root cause" is the
+    first rank to end (after a rank's own error, often a peer it left behind), is left out where the line names
+    the cause: a usage error, a rank's own error, a hang."""
     stop = signals.received
     if rc == 0:
-        return 0
+        return Verdict(0, None)
     if usage:
-        say(f"error: {usage[0]} (found by the workers; not retried)")
-        return EXIT_USAGE
+        return Verdict(EXIT_USAGE, f"error: {usage[0]} (found by the workers; not retried)", report=False)
     if rc == EXIT_USAGE:  # torchrun's process found it before any worker started (torchrun.py): its line is out
-        return EXIT_USAGE
+        return Verdict(EXIT_USAGE, None)
     if failure is not None and stop:
         raise Stopped(signals.name)  # the doctor trains nothing
     if stop and markers.read(cfg.run_dir, "FINISHED", launch_id) is not None:
-        say("launch: the run finished before the stop took effect (exit 0)")
-        return 0
+        return Verdict(0, "launch: the run finished before the stop took effect (exit 0)")
     found = {name: markers.read(cfg.run_dir, name, launch_id) for name in ("STARTED", "STOPPED")}
     ended = signals.round if stop else max([signals.last_round, *(m.get("round", 0) for m in found.values() if m)])
     started, stopped = (m if m is not None and m.get("round", 0) == ended else None for m in found.values())
     if stopped is not None:
         name = signals.name if stop else stopped.get("signal") or "a peer rank signal"
-        say(f"launch: stopped on {name}; the workers checkpointed: relaunch to continue (exit {EXIT_REQUEUE})")
-        return EXIT_REQUEUE
+        return Verdict(EXIT_REQUEUE, f"launch: stopped on {name}; the workers checkpointed: relaunch to continue "
+                                     f"(exit {EXIT_REQUEUE})")
     if stop and started is None:
-        say(f"launch: stopped on {signals.name} before the workers began training (rendezvous, start-up or "
-             f"resume); nothing was trained since the last checkpoint: relaunch to continue (exit {EXIT_REQUEUE})")
-        return EXIT_REQUEUE
+        return Verdict(EXIT_REQUEUE, f"launch: stopped on {signals.name} before the workers began training "
+                                     f"(rendezvous, start-up or resume); nothing was trained since the last "
+                                     f"checkpoint: relaunch to continue (exit {EXIT_REQUEUE})")
     if stop:
-        say(f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
-             f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT (one step "
-             f"plus one checkpoint save plus a margin), and the scheduler's grace period above it")
-        return 1
+        return Verdict(1, f"error: stopped on {signals.name}, but no checkpoint was written within the stop budget "
+                          f"(--stop-timeout={budget} s), after which the workers are killed: raise STOP_TIMEOUT "
+                          f"(one step plus one checkpoint save plus a margin), and the scheduler's grace period "
+                          f"above it")
     if failure is None and (own := _first_failure(cfg.run_dir, launch_id, ended)) is not None:
         # A rank's own error, not what the others ran into after it (a peer gone, the store it hosted closed:
         # torchrun's output then reads like a rendezvous or a network that failed).
-        say(f"error: rank {own.get('rank')} failed: {own.get('error')} (its traceback is above)")
-        return 1
+        return Verdict(1, f"error: rank {own.get('rank')} failed: {own.get('error')} (its traceback is above)",
+                       report=False)
     if failure is None and (hang := markers.read(cfg.run_dir, "HANG", launch_id)) is not None:
-        say(f"error: {hang.get('error', 'a collective timed out')}")  # train/parallel/hang.py's line
-        return 1
-    say(failure or f"error: {explain(''.join(tail), opts, started is not None)}")
-    return 1
+        # train/parallel/hang.py's line
+        return Verdict(1, f"error: {hang.get('error', 'a collective timed out')}", report=False)
+    return Verdict(1, failure or f"error: {explain(''.join(tail), opts, started is not None)}")
