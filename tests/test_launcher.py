@@ -318,6 +318,75 @@ def test_the_last_line_names_the_failing_rank_s_own_error_not_what_the_others_ra
     assert error in err[:-len(last)] and "ChildFailedError" not in err and "Root Cause" not in err, err[-3000:]
 
 
+# torch's own words for a GPU out of memory (torch.OutOfMemoryError, one line), raised by rank 0 at its second step
+OUT_OF_MEMORY = """
+import os, torch
+real = module.train_step
+def train_step(parts, *args, **kwargs):
+    if os.environ.get("RANK", "0") == "0" and parts.step == 1:
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 1.53 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB "
+            "is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the allocated memory "
+            "75.10 GiB is allocated by PyTorch, and 1.30 GiB is reserved by PyTorch but unallocated. If reserved but "
+            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+            "fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    return real(parts, *args, **kwargs)
+module.train_step = train_step
+"""
+
+
+@pytest.mark.parametrize("launcher", [True, False], ids=["launcher", "alone"])
+def test_a_gpu_out_of_memory_is_one_line_with_the_settings_that_fix_it(tmp_path, launcher):
+    """torch's out-of-memory error, as it words it: the last line says where (step 2), what torch tried to allocate
+    and held, and what lowers a step's memory (the micro-batch, activation checkpointing, FSDP); its traceback,
+    which says where in the step, is in the rank's log file, not on the console. Exit 1, not a usage error."""
+    env = after_import(tmp_path, "train.trainer", OUT_OF_MEMORY)
+    run_dir = tmp_path / "run"
+    if launcher:
+        rc, out, err = finish(launch(run_dir, "train.steps=4", env=env, paced=False))
+    else:
+        proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
+                               f"run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        rc, err = proc.returncode, proc.stderr
+    assert rc == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    log = run_dir / "logs" / "rank0.log"
+    says = ("out of GPU memory at step 2 (tried to allocate 1.53 GiB, 77.90 GiB of 79.19 GiB in use by this "
+            "process): lower train.micro_batch_size (now 8; train.global_batch_size stays, by more micro-batches a "
+            "step), train in bf16 (train.precision=bf16), set train.activation_checkpointing=true, or shard the model "
+            "over the GPUs with dist.strategy=fsdp")
+    assert last == (f"error: rank 0 failed: {says} (its traceback: {log})" if launcher
+                    else f"error: {says} (its traceback: {log})"), err[-3000:]
+    assert [line for line in err.splitlines() if "out of GPU memory" in line] == [last], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "Traceback (most recent call last)" in log.read_text() and "in train_step" in log.read_text()
+
+
+REAL_OUT_OF_MEMORY = """
+import torch
+real = module.train_step
+def train_step(parts, *args, **kwargs):
+    if parts.step == 1:  # twice the GPU's memory, at once
+        torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
+    return real(parts, *args, **kwargs)
+module.train_step = train_step
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_real_out_of_memory_is_read_as_one(tmp_path):
+    """On a GPU, torch's own out-of-memory error (its wording, this torch's) is read: the one line says so, with
+    the size torch tried to allocate."""
+    env = after_import(tmp_path, "train.trainer", REAL_OUT_OF_MEMORY)
+    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
+                           f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: out of GPU memory at step 2 (tried to allocate "), \
+        proc.stderr[-3000:]
+
+
 def test_a_rank_killed_mid_run_is_named_not_the_rendezvous_its_peers_then_cannot_reach(tmp_path):
     """Rank 0, which hosts the store the ranks share, SIGKILLed after step 2 (the out-of-memory killer): rank 1
     then fails to reach that store (DistNetworkError, "Connection was likely closed"), which is not a rendezvous

@@ -8,6 +8,7 @@ import gc
 import hashlib
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -358,6 +359,29 @@ def save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:
     return f"a checkpoint could not be written; the ones before it are intact: {advice} ({error_text(cause)})"
 
 
+def out_of_memory(e: BaseException, cfg: Config, step: int | None) -> str | None:
+    """A device out of memory, in one line: at which step (None: before training), what torch tried to allocate
+    and held, and the settings that lower what a step needs; None for any other error."""
+    first = str(e).strip().split("\n")[0]
+    if not isinstance(e, torch.OutOfMemoryError) and "CUDA error: out of memory" not in first:
+        return None
+    size = r"([\d.]+ [KMGT]?i?B)"
+    found = [re.search(pattern, first) for pattern in (rf"Tried to allocate {size}", rf"this process has {size}",
+                                                       rf"total capacity of {size}")]
+    want, held, total = (m.group(1) if m else None for m in found)
+    what = ", ".join(x for x in (f"tried to allocate {want}" if want else "",
+                                 f"{held} of {total} in use by this process" if held and total else "") if x)
+    when = f"at step {step + 1}" if step is not None else "before training began"
+    fixes = [f"lower train.micro_batch_size (now {cfg.train.micro_batch_size}; train.global_batch_size stays, by "
+             f"more micro-batches a step)" if cfg.train.micro_batch_size > 1 else ""]
+    fixes += ["train in bf16 (train.precision=bf16)" if cfg.train.precision == "fp32" else "",
+              "set train.activation_checkpointing=true" if not cfg.train.activation_checkpointing else "",
+              "shard the model over the GPUs with dist.strategy=fsdp" if cfg.dist.strategy != "fsdp" else ""]
+    fixes = [f for f in fixes if f] or ["train a smaller model or on a GPU with more memory"]
+    return (f"out of GPU memory {when}{f' ({what})' if what else ''}: "
+            f"{', '.join(fixes[:-1]) + ', or ' if len(fixes) > 1 else ''}{fixes[-1]}")
+
+
 def run(cfg: Config, denv: distributed.DistEnv) -> int:
     """Distributed setup -> build -> resume -> fit -> checkpoint -> teardown (always). Returns the exit code;
     a usage error (ConfigError: data, devices, checkpoints, tracker) is raised to the entry point."""
@@ -412,6 +436,18 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         reason = None if isinstance(e, ConfigError) else distributed.describe_failure(e, cfg.dist.timeout_s)
         if reason is None and isinstance(e, SaveError):
             say(f"[rank {denv.rank}] error: {save_failed(e, cfg, parts.log if parts else None)}")
+            return 1
+        if reason is None and (oom := out_of_memory(e, cfg, parts.step if meter is not None else None)):
+            # Its traceback (where: the forward, the backward, the optimizer) goes to the rank's log file; the line is
+            # said once: under the launcher by its last line (the FAILED marker), else by the rank
+            where = None
+            if parts is not None:
+                parts.log.to_file(error_traceback(e).rstrip())
+                where = cfg.run_dir / "logs" / f"rank{denv.rank}.log"
+            markers.write_failure(cfg.run_dir, denv.rank, e, oom, where)
+            if where is None or not markers.launch_id():
+                said = oom + (f" (its traceback: {where})" if where else "")
+                say(f"[rank {denv.rank}] error: {said}" if denv.world_size > 1 else f"error: {said}")
             return 1
         if reason is None:
             if not isinstance(e, ConfigError):

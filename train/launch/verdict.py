@@ -181,8 +181,8 @@ def verdict(rc: int, cfg: config.Config, signals: Signals, launch_id: str, budge
     if failure is None and (own := _first_failure(cfg.run_dir, launch_id, ended)) is not None:
         # A rank's own error, not what the others ran into after it (a peer gone, the store it hosted closed:
         # torchrun's output then reads like a rendezvous or a network that failed).
-        return Verdict(1, f"error: rank {own.get('rank')} failed: {own.get('error')} (its traceback is above)",
-                       report=False)
+        where = f"its traceback: {own['traceback']}" if own.get("traceback") else "its traceback is above"
+        return Verdict(1, f"error: rank {own.get('rank')} failed: {own.get('error')} ({where})", report=False)
     if failure is None and (hang := markers.read(cfg.run_dir, "HANG", launch_id)) is not None:
         # train/parallel/hang.py's line
         return Verdict(1, f"error: {hang.get('error', 'a collective timed out')}", report=False)

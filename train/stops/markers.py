@@ -82,16 +82,19 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}"[:300] if text else type(e).__name__
 
 
-def write_failure(run_dir: Path, rank: int, e: BaseException) -> None:
+def write_failure(run_dir: Path, rank: int, e: BaseException, line: str | None = None,
+                  traceback: Path | None = None) -> None:
     """Under the launcher, a worker's own error (an exception nobody explained: a bug in a model or data set), for
     its node's launcher, which names it in its last line rather than what the other ranks then ran into (a peer
     gone, a store that stopped answering): FAILED.<rank>, each rank its own, written before the process group
-    is torn down (which is what the others run into)."""
+    is torn down (which is what the others run into). `line`: the error explained (else the exception's last line);
+    `traceback`: the file that holds its traceback (else the rank printed it)."""
     if not launch_id():
         return
     with contextlib.suppress(OSError):  # the launcher then explains torchrun's output as before
-        write(run_dir, f"FAILED.{rank}", {"rank": rank, "error": error_line(e), "time": time.time(),
-                                          "launch_id": launch_id(), "round": launch_round()})
+        write(run_dir, f"FAILED.{rank}", {"rank": rank, "error": line or error_line(e), "time": time.time(),
+                                          "launch_id": launch_id(), "round": launch_round(),
+                                          **({"traceback": str(traceback)} if traceback else {})})
 
 
 def failures(run_dir: Path, launch: str) -> list[dict]:
