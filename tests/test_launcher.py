@@ -363,6 +363,21 @@ def test_a_gpu_out_of_memory_is_one_line_with_the_settings_that_fix_it(tmp_path,
     assert "Traceback (most recent call last)" in log.read_text() and "in train_step" in log.read_text()
 
 
+def test_an_out_of_memory_in_an_evaluation_says_so(tmp_path):
+    """The same error raised by the evaluation after step 2 (train.eval_every=2) is told as that evaluation's."""
+    patch = ("import torch\nreal = module.evaluate\ndef evaluate(parts, *args):\n"
+             "    if parts.step == 2:\n"
+             "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
+             "    return real(parts, *args)\nmodule.evaluate = evaluate\n")
+    env = after_import(tmp_path, "train.trainer", patch)
+    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
+                           "train.eval_every=2", f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: out of GPU memory in the evaluation after step 2 ("), \
+        proc.stderr[-3000:]
+
+
 REAL_OUT_OF_MEMORY = """
 import torch
 real = module.train_step

@@ -359,9 +359,9 @@ def save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:
     return f"a checkpoint could not be written; the ones before it are intact: {advice} ({error_text(cause)})"
 
 
-def out_of_memory(e: BaseException, cfg: Config, step: int | None) -> str | None:
-    """A device out of memory, in one line: at which step (None: before training), what torch tried to allocate
-    and held, and the settings that lower what a step needs; None for any other error."""
+def out_of_memory(e: BaseException, cfg: Config, parts: Parts | None, training: bool) -> str | None:
+    """A device out of memory, in one line: where (a step, an evaluation, before training), what torch tried to
+    allocate and held, and the settings that lower what a step needs; None for any other error."""
     first = str(e).strip().split("\n")[0]
     if not isinstance(e, torch.OutOfMemoryError) and "CUDA error: out of memory" not in first:
         return None
@@ -371,7 +371,8 @@ def out_of_memory(e: BaseException, cfg: Config, step: int | None) -> str | None
     want, held, total = (m.group(1) if m else None for m in found)
     what = ", ".join(x for x in (f"tried to allocate {want}" if want else "",
                                  f"{held} of {total} in use by this process" if held and total else "") if x)
-    when = f"at step {step + 1}" if step is not None else "before training began"
+    when = ("before training began" if parts is None or not training else
+            f"in the evaluation after step {parts.step}" if parts.eval_pending else f"at step {parts.step + 1}")
     fixes = [f"lower train.micro_batch_size (now {cfg.train.micro_batch_size}; train.global_batch_size stays, by "
              f"more micro-batches a step)" if cfg.train.micro_batch_size > 1 else ""]
     fixes += ["train in bf16 (train.precision=bf16)" if cfg.train.precision == "fp32" else "",
@@ -437,7 +438,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         if reason is None and isinstance(e, SaveError):
             say(f"[rank {denv.rank}] error: {save_failed(e, cfg, parts.log if parts else None)}")
             return 1
-        if reason is None and (oom := out_of_memory(e, cfg, parts.step if meter is not None else None)):
+        if reason is None and (oom := out_of_memory(e, cfg, parts, training=meter is not None)):
             # Its traceback (where: the forward, the backward, the optimizer) goes to the rank's log file; the line is
             # said once: under the launcher by its last line (the FAILED marker), else by the rank
             where = None
