@@ -20,8 +20,10 @@ import torch
 
 from tests.conftest import (
     BUILT_IN,
+    PY,
     RNG_DRAWS,
     ROOT,
+    TINY,
     after_import,
     assert_same_state,
     assert_same_training,
@@ -646,3 +648,45 @@ def test_a_relaunch_with_more_steps_and_other_optimizer_values_applies_them_and_
     groups = state["optimizer"]["param_groups"]
     assert groups[0]["weight_decay"] == 0.002 and groups[1]["weight_decay"] == 0.0, groups
     assert {g["momentum"] for g in groups} == {0.8}, groups
+
+
+# Rank by rank, the weights turn NaN in the optimizer step of step K (as one bad batch's inf loss or a learning rate
+# too high makes them): a parameter filled with NaN right after that step.
+POISON = """
+import os, torch
+real = module.train_step
+def train_step(parts, *args, **kwargs):
+    loss = real(parts, *args, **kwargs)
+    if parts.step == int(os.environ["POISON_AT"]):
+        with torch.no_grad():
+            next(parts.raw.parameters()).fill_(float("nan"))
+    return loss
+module.train_step = train_step
+"""
+
+
+@pytest.mark.parametrize("found", ["weights at a save", "loss at a log"])
+def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found):
+    """Weights that turned NaN end the run in one line (exit 2: with the same settings a relaunch diverges again)
+    before anything is saved from them: found at the next save (a step whose loss was still finite), or at the
+    next log (the loss). The checkpoints stay those of the good steps, retention deletes none of them, and a
+    relaunch (here without the cause) resumes from the last and finishes. Two ranks, under the launcher."""
+    run_dir = tmp_path / "run"
+    poison_at, every = (4, "train.log_every=100") if found == "weights at a save" else (3, "train.log_every=4")
+    env = after_import(tmp_path, "train.trainer", POISON) | {"POISON_AT": str(poison_at)}
+    overrides = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=2", every]
+    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--", "--config", "configs/default.yaml",
+                           *TINY, f"run.dir={run_dir}", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    what = ("the weights hold NaN or inf after step 4" if found == "weights at a save"
+            else "the training loss of steps 1-4 is nan")
+    says = f"error: training diverged: {what}, and nothing is saved from it; lower optim.lr (now "
+    assert last.startswith(says), last
+    assert last.endswith("then relaunch, which resumes from the checkpoint of step 2 (found by the workers; not "
+                         "retried)"), last
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert all(torch.isfinite(t).all() for t in latest_state(run_dir)["model"].values() if t.is_floating_point())
+    run_train(run_dir, *overrides, nproc=2)
+    assert summary(run_dir)["steps"] == 8 and latest_state(run_dir)["step"] == 8

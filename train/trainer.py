@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import hashlib
+import math
 import os
 import random
 import re
@@ -190,6 +191,9 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             loss_sum, n = distributed.all_reduce_sum([parts.window_loss.item(), parts.window_steps], parts.device)
             log.train({"step": step, "epoch": parts.stream.epoch, "loss": loss_sum / n,
                        "lr": parts.optimizer.param_groups[0]["lr"]} | meter.window())
+            if not math.isfinite(loss_sum) and cfg.train.precision != "fp16":  # (fp16: the GradScaler's skipped steps)
+                raise diverged(parts, ckpt, f"the training loss of steps {step - parts.window_steps + 1}-{step} is "
+                                          f"{loss_sum / n}")
             parts.window_loss.zero_()
             parts.window_steps = 0
         parts.eval_pending = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
@@ -202,6 +206,7 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             return _stop(parts, ckpt)
         if ckpt.due(step):
             with meter.paused():
+                check_weights(parts, ckpt)
                 ckpt.save(parts)
             if parts.stop.agreed(parts.device):  # a stop that came during the save ends with it
                 return _stop(parts, ckpt)
@@ -219,6 +224,36 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
 
 
+def check_weights(parts: Parts, ckpt: Checkpointer) -> None:
+    """Before a save: weights that turned NaN or inf (a divergence, one bad batch's inf loss) end the run with
+    one line, never saved over the good checkpoints that retention would then delete. Every rank reads its own
+    parameters (FSDP: its shards) on the device, at saves only, and all agree."""
+    bad = torch.zeros((), device=parts.device)
+    for p in parts.raw.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if t.is_floating_point() and t.numel():
+            bad += (~torch.isfinite(t.detach())).any()
+    torch.distributed.all_reduce(bad)
+    if bad.item():
+        raise diverged(parts, ckpt, f"the weights hold NaN or inf after step {parts.step}")
+
+
+def diverged(parts: Parts, ckpt: Checkpointer, what: str) -> ConfigError:
+    """The line of a run whose training diverged: nothing is saved from here on, a relaunch resumes from the last
+    checkpoint (a usage error: with the same settings it would diverge again, so no launcher retries it)."""
+    cfg, o = parts.cfg, parts.cfg.optim
+    last = ckpt.saved_step if ckpt.saved_step is not None else ckpt.latest_step()
+    fixes = [f"lower optim.lr (now {o.lr:g})", f"raise optim.warmup_steps (now {o.warmup_steps})"]
+    if cfg.train.grad_clip <= 0:
+        fixes.append("clip the gradients (train.grad_clip=1.0)")
+    if cfg.train.precision == "fp16":
+        fixes.append("train in bf16 or fp32 rather than fp16")
+    start = (f"which resumes from the checkpoint of step {last}" if last is not None
+             else "which starts again from step 0 (no checkpoint was saved yet)")
+    return ConfigError(f"training diverged: {what}, and nothing is saved from it; {', '.join(fixes[:-1])} or "
+                       f"{fixes[-1]}, then relaunch, {start}")
+
+
 def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict[str, float] | None:
     with meter.paused():
         result = evaluate(parts, ckpt)
@@ -229,6 +264,7 @@ def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dic
 
 
 def _stop(parts: Parts, ckpt: Checkpointer) -> None:
+    check_weights(parts, ckpt)
     step = ckpt.save_last(parts)  # blocking: complete on this rank
     torch.distributed.barrier()  # complete on every rank: now every node's marker may say so
     parts.markers.stopped(step, parts.stop.signal)

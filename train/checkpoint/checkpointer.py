@@ -104,6 +104,11 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
+    def latest_step(self) -> int | None:
+        """The step of the latest complete checkpoint in the run (None: there is none)."""
+        found = complete_checkpoints(self.dir)
+        return int(NAME.match(found[0].name).group(1)) if found else None
+
     def save(self, parts, blocking: bool = False) -> None:
         """Called on every rank: every rank writes its share of the tensors (DCP); rank 0 the rest, then the
         manifest. With checkpoint.async (and not `blocking`), training goes on at once: DCP copies the
