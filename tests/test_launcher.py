@@ -136,6 +136,10 @@ def test_a_stop_during_the_doctor_is_exit_75_and_training_never_starts(tmp_path)
 
 # ---------------------------------------------------------------- usage errors found by the workers
 
+# How the launcher's last line names a rank killed by SIGKILL (a regular expression)
+KILLED = r"was killed by signal 9 \(SIGKILL: most often the out-of-memory killer; `dmesg` or the pod's status says\)"
+
+
 def _usage_cases(tmp_path) -> dict:
     return {
         "data path": (["task.data=cifar10", f"task.path={tmp_path / 'nowhere'}"], {}, "does not exist"),
@@ -413,7 +417,7 @@ def test_a_rank_killed_mid_run_is_named_not_the_rendezvous_its_peers_then_cannot
     rc, out, err = finish(proc)
     assert rc == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
-    crash = (r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up after 0 "
+    crash = (r"error: rank [01] on \S+ (" + KILLED + r"|exited with code 1), and torchrun gave up after 0 "
              r"restart\(s\) \(--max-restarts=0\); see its log in the run directory")
     assert re.fullmatch(crash, last), err[-3000:]
     assert "Root Cause (first observed failure)" in err, err[-3000:]  # torchrun's report, where the line comes from
@@ -574,7 +578,7 @@ def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_p
     # next collective failed in the same instant (seen in CI); either way the crash, not round 1's stop, and the
     # restarts spent
     last = err.strip().splitlines()[-1]
-    crash = (r"error: rank [01] on \S+ (was killed by signal 9|exited with code 1), and torchrun gave up after 1 "
+    crash = (r"error: rank [01] on \S+ (" + KILLED + r"|exited with code 1), and torchrun gave up after 1 "
              r"restart\(s\) \(--max-restarts=1\); see its log in the run directory")
     assert re.fullmatch(crash, last), err[-3000:]
 

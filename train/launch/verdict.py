@@ -66,6 +66,8 @@ def explain(output: str, opts: dict[str, str | None], started: bool = False) -> 
     if len(fields) == 3:
         rank, where, code = fields["rank"], fields["host"], fields["exitcode"]
         how = f"was killed by signal {-int(code)}" if int(code) < 0 else f"exited with code {code}"
+        if int(code) == -9:  # the kernel's out-of-memory killer (a container's memory limit too) sends SIGKILL
+            how += " (SIGKILL: most often the out-of-memory killer; `dmesg` or the pod's status says)"
         return (f"rank {rank} on {where} {how}, and torchrun gave up after {restarts} restart(s) "
                 f"(--max-restarts={restarts}); see its log in the run directory")
     return f"torchrun failed (--max-restarts={restarts}); see the output above and the run directory's logs"
