@@ -218,4 +218,6 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     assert "| stopped and relaunched = never stopped, bitwise, DDP, async save every step | yes | yes | yes |" in table
     assert "torch " + check["machine"]["torch"] in table
     assert f"| the whole check (`make gpu-check`), s | {check['seconds']:.0f} | <= 300 |" in table, table
+    cut = check | {"stages": stages | {"memory": {"skipped": "out of time (--budget-s)", "seconds": 0}}}
+    assert "| <= 300 | **no** (memory not measured) |" in "\n".join(run_all.gpu_check_lines(cut, "x.json"))
     assert check["seconds"] >= max(v["seconds"] for v in stages.values())

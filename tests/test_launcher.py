@@ -367,6 +367,21 @@ def test_a_gpu_out_of_memory_is_one_line_with_the_settings_that_fix_it(tmp_path,
     assert "Traceback (most recent call last)" in log.read_text() and "in train_step" in log.read_text()
 
 
+def test_an_out_of_memory_before_training_is_said_once_with_its_traceback(tmp_path):
+    """Out of memory while the model is built (no log file yet): the launcher says it once, its traceback is shown
+    above it."""
+    patch = ("import torch\ndef build(*args, **kwargs):\n"
+             "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB.')\n"
+             "module.build = build\n")
+    rc, out, err = finish(launch(tmp_path / "run", env=after_import(tmp_path, "train.trainer", patch), paced=False,
+                                 launcher=("--nproc-per-node=1",)))
+    last = err.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("error: rank 0 failed: out of GPU memory before training began (tried to "
+                                       "allocate 9.00 GiB)") and last.endswith("(its traceback is above)"), err[-3000:]
+    assert [line for line in err.splitlines() if "out of GPU memory" in line] == [last], err[-3000:]
+    assert "Traceback (most recent call last)" in err and "in build" in err, err[-3000:]
+
+
 def test_an_out_of_memory_in_an_evaluation_says_so(tmp_path):
     """The same error raised by the evaluation after step 2 (train.eval_every=2) is told as that evaluation's."""
     patch = ("import torch\nreal = module.evaluate\ndef evaluate(parts, *args):\n"

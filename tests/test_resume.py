@@ -659,34 +659,51 @@ def train_step(parts, *args, **kwargs):
     loss = real(parts, *args, **kwargs)
     if parts.step == int(os.environ["POISON_AT"]):
         with torch.no_grad():
-            next(parts.raw.parameters()).fill_(float("nan"))
+            if os.environ["POISON"] == "buffer":  # a BatchNorm's statistics, after one forward that overflowed
+                next(b for b in parts.raw.buffers() if b.is_floating_point()).fill_(float("inf"))
+            else:
+                next(parts.raw.parameters()).fill_(float("nan"))
     return loss
 module.train_step = train_step
 """
 
 
-@pytest.mark.parametrize("found", ["weights at a save", "loss at a log"])
+@pytest.mark.parametrize("found", ["weights at a save", "loss at a log", "statistics at a save"])
 def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found):
     """Weights that turned NaN end the run in one line (exit 2: with the same settings a relaunch diverges again)
     before anything is saved from them: found at the next save (a step whose loss was still finite), or at the
-    next log (the loss). The checkpoints stay those of the good steps, retention deletes none of them, and a
+    next log (the loss). So do BatchNorm statistics that turned inf (the training loss never sees them). The
+    checkpoints stay those of the good steps, retention deletes none of them, and a
     relaunch (here without the cause) resumes from the last and finishes. Two ranks, under the launcher."""
     run_dir = tmp_path / "run"
-    poison_at, every = (4, "train.log_every=100") if found == "weights at a save" else (3, "train.log_every=4")
-    env = after_import(tmp_path, "train.trainer", POISON) | {"POISON_AT": str(poison_at)}
+    poison_at, every = (3, "train.log_every=4") if found == "loss at a log" else (4, "train.log_every=100")
+    env = after_import(tmp_path, "train.trainer", POISON) | {"POISON_AT": str(poison_at),
+                                                             "POISON": "buffer" if "statistics" in found else "param"}
     overrides = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=2", every]
     proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=2", "--", "--config", "configs/default.yaml",
                            *TINY, f"run.dir={run_dir}", *overrides], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    what = ("the weights hold NaN or inf after step 4" if found == "weights at a save"
-            else "the training loss of steps 1-4 is nan")
+    what = ("the training loss of steps 1-4 is nan" if found == "loss at a log"
+            else "the model's weights or buffers hold NaN or inf after step 4")
     says = f"error: training diverged: {what}, and nothing is saved from it; lower optim.lr (now "
     assert last.startswith(says), last
     assert last.endswith("then relaunch, which resumes from the checkpoint of step 2 (found by the workers; not "
                          "retried)"), last
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
-    assert all(torch.isfinite(t).all() for t in latest_state(run_dir)["model"].values() if t.is_floating_point())
+    assert all(torch.isfinite(t).all() for t in latest_state(run_dir)["model"].values()
+               if torch.is_tensor(t) and t.is_floating_point())
     run_train(run_dir, *overrides, nproc=2)
     assert summary(run_dir)["steps"] == 8 and latest_state(run_dir)["step"] == 8
+
+
+def test_a_model_whose_own_buffer_holds_inf_from_the_start_trains_and_saves(tmp_path):
+    """A buffer that is not finite from the start (an attention mask of -inf) is the model's own, not a divergence:
+    the run saves and finishes."""
+    patch = ("import torch\nreal = module.build\ndef build(*args, **kwargs):\n    parts = real(*args, **kwargs)\n"
+             "    parts.raw.register_buffer('mask', torch.full((4,), float('-inf'), device=parts.device))\n"
+             "    return parts\nmodule.build = build\n")
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "train.steps=4", "checkpoint.every=2", env=after_import(tmp_path, "train.trainer", patch))
+    assert summary(run_dir)["steps"] == 4 and torch.isinf(latest_state(run_dir)["model"]["mask"]).all()

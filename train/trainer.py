@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class Parts:
     window_steps: int = 0  # steps in that sum
     eval_pending: bool = False  # an evaluation was due at `step` but a stop came first: done after resume
     loads: frozenset[str] = frozenset()  # the model's tensors given memory only: a checkpoint or init_from fills them
+    watched: frozenset[str] = frozenset()  # the floating buffers finite at the start, which check_weights watches
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -225,17 +227,28 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
 
 
 def check_weights(parts: Parts, ckpt: Checkpointer) -> None:
-    """Before a save: weights that turned NaN or inf (a divergence, one bad batch's inf loss) end the run with
-    one line, never saved over the good checkpoints that retention would then delete. Every rank reads its own
-    parameters (FSDP: its shards) on the device, at saves only, and all agree."""
-    bad = torch.zeros((), device=parts.device)
-    for p in parts.raw.parameters():
-        t = p.to_local() if hasattr(p, "to_local") else p
-        if t.is_floating_point() and t.numel():
-            bad += (~torch.isfinite(t.detach())).any()
+    """Before a save: weights or buffers (BatchNorm's statistics, which one overflowed forward makes inf for good,
+    also under fp16's GradScaler) that turned NaN or inf end the run with one line, never saved over the good
+    checkpoints that retention would then delete. Every rank sums each of its tensors (FSDP: its shards) on the
+    device, at saves only: a NaN or an inf makes the sum one; all ranks agree."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in parts.raw.parameters()]
+    tensors += [b for name, b in parts.raw.named_buffers() if name in parts.watched]
+    sums = [t.detach().sum(dtype=torch.float32) for t in tensors if t.is_floating_point() and t.numel()]
+    bad = (~torch.isfinite(torch.stack(sums))).sum() if sums else torch.zeros((), device=parts.device)
+    bad = bad.to(device=parts.device, dtype=torch.float32)
     torch.distributed.all_reduce(bad)
     if bad.item():
-        raise diverged(parts, ckpt, f"the weights hold NaN or inf after step {parts.step}")
+        raise diverged(parts, ckpt, f"the model's weights or buffers hold NaN or inf after step {parts.step}")
+
+
+def finite_buffers(model: nn.Module) -> frozenset[str]:
+    """The names of the model's floating buffers that hold no NaN or inf now: the ones check_weights watches (a
+    buffer that starts non-finite, an attention mask of -inf, is the model's own)."""
+    named = [(name, b) for name, b in model.named_buffers() if b.is_floating_point() and b.numel()]
+    if not named:
+        return frozenset()
+    finite = torch.stack([b.detach().sum(dtype=torch.float32) for _, b in named]).isfinite().tolist()
+    return frozenset(name for (name, _), ok in zip(named, finite, strict=True) if ok)
 
 
 def diverged(parts: Parts, ckpt: Checkpointer, what: str) -> ConfigError:
@@ -444,6 +457,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             raise ConfigError(f"the checkpoints of {cfg.run_dir} changed while this launch started: relaunch")
         if source:
             pretrained.load(parts.raw, parts.task, source, log)
+        parts.watched = finite_buffers(parts.raw)
         log.truncate_metrics(parts.step)  # from step 0 too: the records of an attempt that saved nothing are redone
         if parts.step >= cfg.train.steps and log.completed(parts.step):
             log.info(f"run {cfg.run_dir} is already complete at step {parts.step}; nothing to do")
@@ -481,8 +495,10 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
             if parts is not None:
                 parts.log.to_file(error_traceback(e).rstrip())
                 where = cfg.run_dir / "logs" / f"rank{denv.rank}.log"
+            else:  # no log file yet: the traceback goes where an unexplained error's would
+                sys.stderr.write(error_traceback(e))
             markers.write_failure(cfg.run_dir, denv.rank, e, oom, where)
-            if where is None or not markers.launch_id():
+            if not markers.launch_id():
                 said = oom + (f" (its traceback: {where})" if where else "")
                 say(f"[rank {denv.rank}] error: {said}" if denv.world_size > 1 else f"error: {said}")
             return 1

@@ -245,7 +245,9 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
             passthrough.close(failed_workers=judged.report)
         if judged.line:
             say(judged.line)
-        if usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None:
+        if (usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None and opts["nnodes"] == "1"
+                and signals.last_round == 0):
+            # (several nodes share logs/ and .launch/; a later round's start follows one that may have trained)
             _undo_refused_start(cfg.run_dir, before)
         return judged.code
     finally:
@@ -266,8 +268,9 @@ def _entries(run_dir: Path) -> tuple[set[str], Path | None]:
 
 
 def _undo_refused_start(run_dir: Path, before: tuple[set[str], Path | None]) -> None:
-    """A start the workers refused, before any training (a usage error, said once by the launcher): the folders
-    that only this launch's processes wrote to (logs/ for the ranks' lines, .launch/ for its markers) go, and so
+    """A start the workers of this node alone refused, in torchrun's first round, before any training (a usage
+    error, said once by the launcher): the folders that only this launch's processes wrote to (logs/ for the
+    ranks' lines, .launch/ for its markers) go, and so
     do the run directory and the folders above it that this launch made. Where anything else is new there (a run
     began: config.yaml, checkpoints), nothing goes. (`python -m train` alone refuses before it writes anything.)"""
     held, made = before
