@@ -169,7 +169,7 @@ print(json.dumps({{"train": sorted(m for m in sys.modules if m.split(".")[0] == 
     assert got["sum"] == float(sum(v.double().sum() for v in saved.values()))  # step 4's weights
     # The usage errors: exit 2 and one line, from the same main() in this process (the process itself, run above,
     # says nothing on stderr).
-    for bad, says in [(tmp_path / "nowhere", "is not a folder"), (tmp_path, "holds no complete checkpoint")]:
+    for bad, says in [(tmp_path / "nowhere", "does not exist"), (tmp_path, "holds no complete checkpoint")]:
         assert export.main([str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
