@@ -114,7 +114,8 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     cuda, world, sharded = device.type == "cuda", dist.get_world_size(), strategy.startswith("fsdp")
     cfg = config.load("configs/gpt.yaml", [f"task.model={model}", "task.vocab_size=50304", f"task.seq_len={seq}",
                                            "optim.name=adamw", "train.precision=bf16", f"train.compile={compile_}",
-                                           f"dist.strategy={'fsdp' if sharded else 'ddp'}"])
+                                           f"dist.strategy={'fsdp' if sharded else 'ddp'}",
+                                           f"dist.reshard_after_forward={strategy != 'fsdp_keep'}"])
     torch.manual_seed(0)
     task = cfg.task_class(cfg.task, 0)
     net = task.model()  # on the meta device: given its memory as the trainer does
@@ -126,8 +127,6 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
         wrapped = DDP(net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
     else:
         wrapped = wrapping.wrap(cfg, task, net, device)  # plain: one process's DDP strategy, the model itself
-    if strategy == "fsdp_prefetch":
-        _prefetch_next_block(list(task.blocks(net)))
     if sharded:
         wrapping.materialize(net, task, device, 0)
     opt = optim.build(cfg.optim, net)
@@ -158,15 +157,6 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     trace = _traced(step, 3, cuda, dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
     return world * batch * g.block_size * steps / seconds, peak.item(), trace
-
-
-def _prefetch_next_block(blocks: list) -> None:
-    """torchtitan's schedule (fsdp_prefetch): each block gathers the next block's parameters as its forward starts,
-    and the last block stays gathered after its forward (its backward comes next). A candidate for FSDP's gap to DDP
-    on one GPU where the compute stream waits on the all-gathers (the trace's `streams`)."""
-    for block, after in zip(blocks, blocks[1:], strict=False):
-        block.set_modules_to_forward_prefetch([after])
-    blocks[-1].set_reshard_after_forward(False)
 
 
 def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
@@ -210,23 +200,29 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = Fal
     fig: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "lm_world_size": world,
                  "lm_micro_batch": batch, "lm_seq_len": seq, "lm_compile": compile_}
     done = []
-    for strategy in variants:
-        name = strategy
+    for name in variants:
+        strategy, _, size = name.partition("_b")  # fsdp_b32: FSDP at a micro-batch of 32
+        torch._dynamo.reset()  # each variant compiles as in a process of its own: a new batch size stays static
+        t = time.perf_counter()
         try:
-            tokens_s, peak, trace = _lm_run(strategy, model, batch, seq, compile_, warmup, steps, device)
+            tokens_s, peak, trace = _lm_run(strategy, model, int(size) if size and not smoke else batch, seq,
+                                            compile_, warmup, steps, device)
         except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
             fig[f"lm_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         done.append(name)
+        fig[f"lm_{name}_seconds"] = round(time.perf_counter() - t, 1)  # its build, compilation, steps and trace
         fig[f"lm_{name}_tokens_per_s"], fig[f"lm_{name}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
         if trace is not None:
             fig[f"lm_{name}_trace"] = trace
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    names = done
-    for base in ("ddp", "plain"):
-        for name in (n for n in names if n != base and base in names):
+    for name in done:  # each against DDP and the model alone at its own micro-batch (the same _bN)
+        size = name[len(name.partition("_b")[0]):]  # "" or "_b32"
+        for base in (f"ddp{size}", f"plain{size}"):
+            if base == name or base not in done:
+                continue
             if cuda:
                 fig[f"lm_{name}_over_{base}_memory"] = (fig[f"lm_{name}_peak_gib_per_gpu"]
                                                         / fig[f"lm_{base}_peak_gib_per_gpu"])
@@ -242,7 +238,8 @@ def main() -> None:
     p.add_argument("--lm", action="store_true", help="DDP against FSDP for the language model (under torchrun)")
     p.add_argument("--micro-batch", type=int, default=16, help="--lm: windows of 1024 tokens a GPU a step")
     p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself, as one process trains), "
-                   "ddp, fsdp, fsdp_prefetch (fsdp, each block prefetching the next, the last kept gathered)")
+                   "ddp, fsdp, fsdp_keep (fsdp, dist.reshard_after_forward=false: each block gathered once a step); "
+                   "_bN after one (fsdp_b32) measures it at a micro-batch of N, against ddp_bN")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--json")
     args = p.parse_args()

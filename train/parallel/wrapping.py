@@ -7,10 +7,11 @@
 - FSDP2 (dist.strategy=fsdp, torch.distributed.fsdp.fully_shard): every rank holds 1/world of each
   parameter, gradient and optimizer state (DTensors). Each of the task's blocks (Task.blocks) is a unit:
   its parameters are all-gathered just before its forward (and again before its backward when
-  dist.reshard_after_forward frees them), its gradients reduce-scattered after its backward; the root
-  unit holds the rest (embeddings, heads). bf16/fp16 (train.precision) all-gathers and computes in that
-  dtype and reduces gradients in fp32; the sharded parameters and the optimizer stay fp32. BatchNorm layers
-  are units of their own that all-gather in fp32 (their statistics are fp32).
+  dist.reshard_after_forward frees them; never the last block's, whose backward follows at once), its gradients
+  reduce-scattered after its backward; the root unit holds the rest (embeddings, heads). bf16/fp16
+  (train.precision) all-gathers and computes in that dtype and reduces gradients in fp32; the sharded parameters
+  and the optimizer stay fp32. BatchNorm layers are units of their own that all-gather in fp32 (their statistics
+  are fp32).
 - Activation checkpointing (train.activation_checkpointing, either strategy): each block keeps only its
   input, and its forward is run again in the backward to get its activations.
 - A model built on the meta device (no memory) is given its memory here (materialize): under FSDP after
@@ -65,7 +66,9 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
             fully_shard(norm, reshard_after_forward=d.reshard_after_forward, mp_policy=fp32)
     for block in blocks:  # without blocks: one unit, the whole model gathered at once (no memory saved)
-        fully_shard(block, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
+        # The last block's backward comes right after its forward (only the head and loss between): freeing its
+        # parameters would only gather them again at once (torchtitan's policy too).
+        fully_shard(block, reshard_after_forward=d.reshard_after_forward and block is not blocks[-1], mp_policy=mp)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     if device.type == "cpu":
         _one_block_at_a_time(model)
