@@ -256,7 +256,8 @@ def stage_gpt(check: Check, out: Path) -> dict:
               "trainer_data_wait_share": median(rows, "data_wait_share"),
               "bare_tokens_per_s": fig["tokens_per_s"], "bare_mfu": fig.get("mfu"),
               "bare_peak_gib": fig.get("peak_gib"),
-              "windows": [round(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]}
+              "windows": [round(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r],
+              "bare_windows": fig.get("windows")}
     if trainer and fig["tokens_per_s"]:
         result["trainer_over_bare"] = trainer / fig["tokens_per_s"]
     traces = sorted((out / "trainer" / "profile").glob("rank0.*.pt.trace.json"))
@@ -282,7 +283,9 @@ def warm_gpt(check: Check, out: Path) -> None:
 
 def bare_gpt(overrides: list[str]) -> dict:
     """A bare loop of the trainer's model, loss and optimizer (train/optim.py's, optim.fused=auto): random tokens
-    already on the device, no loader, no logging, no stop agreement; CUDA events around the timed steps."""
+    already on the device, no loader, no logging, no stop agreement. Timed as stage_gpt reads the trainer: the
+    median of 4 windows of train.log_every steps after 2 such windows of warm-up, each window ending in a wait for
+    the GPU (where the trainer's log step reads the loss)."""
     import torch
 
     from train import config, optim, trainer
@@ -309,19 +312,22 @@ def bare_gpt(overrides: list[str]) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    steps = max(cfg.train.steps // 2, 2)
-    for _ in range(max(steps // 3, 1) if not cuda else 10):
+    every = cfg.train.log_every
+    for _ in range(2 * every):  # as the trainer's first two windows, which stage_gpt leaves out
         step()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    tokens_s = steps * batch * g.block_size / (time.perf_counter() - t)
-    fig = {"tokens_per_s": tokens_s}
+    rates = []
+    for _ in range(4):  # windows of log_every steps, each ending in a wait for the GPU as the trainer's log step's
+        t = time.perf_counter()
+        for _ in range(every):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        rates.append(every * batch * g.block_size / (time.perf_counter() - t))
+    tokens_s = statistics.median(rates)  # the trainer's figure is the median of its windows too
+    fig = {"tokens_per_s": tokens_s, "windows": [round(r) for r in rates]}
     if cuda:
         from train.observe.metrics import peak_flops
 
