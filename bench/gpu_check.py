@@ -17,8 +17,8 @@ smoke times nothing: all its stages and warm-ups run at once (53 s on 2 idle cor
                 under DDP and FSDP, with an asynchronous save at every step (several in a row)
   hf            the Hugging Face task: a tiny Llama made here (transformers), FSDP, bf16, task.init_from; a stop and a
                 relaunch with the losses of a run that never stopped; exported and reloaded by transformers
-  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's (also FSDP gathering
-                each block once a step, and both at 32 x 1024), each with a trace of 3 steps: host, streams, hooks
+  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's (also FSDP with
+                the model compiled alone, and both at 32 x 1024), each with a trace of 3 steps: host, streams, hooks
   resnet50      ResNet-50, 224 px, bf16, channels_last through `python -m train`, without and with compile
   imagefolder   an ImageFolder of JPEGs made at start, through `python -m train` with the machine's cores: data wait
                 and images/s against the GPU's (the resnet50 stage's)
@@ -456,10 +456,10 @@ def stage_hf(check: Check, out: Path) -> dict:
             "export_moved_from_folder": not torch.allclose(theirs, before, atol=1e-3)}
 
 
-# DDP and FSDP at the issue's 16 x 1024; FSDP gathering each block once a step (is the backward's second gather
-# the gap?); both at 32 x 1024, where the GPU's work a step doubles and FSDP2's host time in its hooks does not
-# (is the gap the host's?).
-LM_VARIANTS = ("ddp", "fsdp", "fsdp_keep", "ddp_b32", "fsdp_b32")
+# DDP and FSDP at the issue's 16 x 1024; FSDP with the model compiled alone, its loss eager (as until 7b771c3:
+# is compiling the loss with it what halved FSDP's speed?); both at 32 x 1024, where the GPU's work a step doubles
+# and FSDP2's host time in its hooks does not (is the gap the host's?).
+LM_VARIANTS = ("ddp", "fsdp", "fsdp_model", "ddp_b32", "fsdp_b32")
 
 
 def _lm(check: Check, out: Path, steps: int) -> dict:
