@@ -103,7 +103,7 @@ def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device
 
 
 def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, warmup: int, steps: int,
-            device: torch.device) -> tuple[float, float, dict | None]:
+            device: torch.device, trace: bool = True) -> tuple[float, float, dict | None]:
     """Tokens/s over all ranks, the largest peak of allocated memory of any rank (0 on CPU), and rank 0's trace of
     3 steps more (trace_summary; None on the other ranks)."""
     import torch.distributed as dist
@@ -161,8 +161,8 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     seconds = time.perf_counter() - t
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    trace = _traced(step, 3, cuda, dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
-    return world * batch * g.block_size * steps / seconds, peak.item(), trace
+    summary = _traced(step, 3, cuda, trace and dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
+    return world * batch * g.block_size * steps / seconds, peak.item(), summary
 
 
 def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
@@ -191,7 +191,7 @@ def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
 
 
 def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = False,
-                  variants: tuple[str, ...] = ("ddp", "fsdp")) -> dict:
+                  variants: tuple[str, ...] = ("ddp", "fsdp"), trace: bool = True) -> dict:
     """DDP against FSDP for the language model, under torchrun: every rank runs this."""
     import torch.distributed as dist
 
@@ -212,7 +212,7 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = Fal
         t = time.perf_counter()
         try:
             tokens_s, peak, trace = _lm_run(strategy, model, int(size) if size and not smoke else batch, seq,
-                                            compile_, warmup, steps, device)
+                                            compile_, warmup, steps, device, trace)
         except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
             fig[f"lm_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
@@ -248,13 +248,14 @@ def main() -> None:
                    "fsdp_model (fsdp, --compile compiling the model alone, not with its loss); "
                    "_bN after one (fsdp_b32) measures it at a micro-batch of N, against ddp_bN")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
+    p.add_argument("--no-trace", action="store_true", help="--lm: no torch.profiler trace of each variant")
     p.add_argument("--json")
     args = p.parse_args()
     if args.lm:
         if not args.smoke and not torch.cuda.is_available():
             raise SystemExit("bench/gpu.py --lm needs CUDA GPUs (or --smoke for a CPU check of the script)")
         fig = lm_strategies(args.steps if not args.smoke else 1, args.smoke, args.micro_batch, args.compile,
-                            tuple(args.variants.split(",")))
+                            tuple(args.variants.split(",")), not args.no_trace)
         for k, v in fig.items():
             print(f"{k:28s} {v if isinstance(v, str) else json.dumps(v) if isinstance(v, dict) else f'{v:.3f}'}")
         if fig:

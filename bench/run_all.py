@@ -120,7 +120,6 @@ GPU_ROWS = [
     ("fsdp_vs_ddp", "lm_fsdp_trace.gpu_busy_share", "  FSDP: the GPU's busy share in a torch.profiler trace", "",
      None),
     ("fsdp_vs_ddp", "lm_fsdp_model_over_ddp_speed", "  FSDP, the model compiled without its loss / DDP", "", None),
-    ("fsdp_vs_ddp", "lm_fsdp_b32_over_ddp_b32_speed", "  FSDP / DDP at 32 x 1024", "", None),
     ("resnet50", "eager.images_per_s", "ResNet-50 224 px bf16 channels_last through python -m train, images/s", "",
      None),
     ("resnet50", "compile.images_per_s", "  the same with train.compile, images/s", "", None),

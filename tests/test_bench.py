@@ -201,7 +201,6 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     assert stages["hf"]["equal"] and stages["hf"]["export_loads"] and stages["hf"]["init_from_folder"]
     lm = stages["fsdp_vs_ddp"]
     assert lm["lm_fsdp_over_ddp_speed"] > 0 and lm["lm_fsdp_model_over_ddp_speed"] > 0, lm
-    assert lm["lm_fsdp_b32_over_ddp_b32_speed"] > 0 and "lm_fsdp_b32_over_ddp_speed" not in lm, lm
     # its trace says how long the host spends in FSDP2's hooks a step (is the host what keeps the GPU waiting?)
     hooks = lm["lm_fsdp_trace"]["host_labels"]
     assert hooks["FSDP::pre_forward"]["calls_per_step"] >= 3 and hooks["FSDP::pre_forward"]["ms_per_step"] > 0, hooks
