@@ -211,16 +211,16 @@ def lm_strategies(steps: int, smoke: bool, batch: int = 16, compile_: bool = Fal
         torch._dynamo.reset()  # each variant compiles as in a process of its own: a new batch size stays static
         t = time.perf_counter()
         try:
-            tokens_s, peak, trace = _lm_run(strategy, model, int(size) if size and not smoke else batch, seq,
-                                            compile_, warmup, steps, device, trace)
+            tokens_s, peak, summary = _lm_run(strategy, model, int(size) if size and not smoke else batch, seq,
+                                              compile_, warmup, steps, device, trace)
         except Exception as e:  # a variant that fails says so; the others are measured (every rank fails alike)
             fig[f"lm_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         done.append(name)
         fig[f"lm_{name}_seconds"] = round(time.perf_counter() - t, 1)  # its build, compilation, steps and trace
         fig[f"lm_{name}_tokens_per_s"], fig[f"lm_{name}_peak_gib_per_gpu"] = tokens_s, peak / 2**30
-        if trace is not None:
-            fig[f"lm_{name}_trace"] = trace
+        if summary is not None:
+            fig[f"lm_{name}_trace"] = summary
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
