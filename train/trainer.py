@@ -233,8 +233,8 @@ def check_weights(parts: Parts, ckpt: Checkpointer) -> None:
     device, at saves only: a NaN or an inf makes the sum one; all ranks agree."""
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in parts.raw.parameters()]
     tensors += [b for name, b in parts.raw.named_buffers() if name in parts.watched]
-    sums = [t.detach().sum(dtype=torch.float32) for t in tensors if t.is_floating_point() and t.numel()]
-    bad = (~torch.isfinite(torch.stack(sums))).sum() if sums else torch.zeros((), device=parts.device)
+    tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+    bad = (~_finite_each(tensors)).sum() if tensors else torch.zeros((), device=parts.device)
     bad = bad.to(device=parts.device, dtype=torch.float32)
     torch.distributed.all_reduce(bad)
     if bad.item():
@@ -247,8 +247,14 @@ def finite_buffers(model: nn.Module) -> frozenset[str]:
     named = [(name, b) for name, b in model.named_buffers() if b.is_floating_point() and b.numel()]
     if not named:
         return frozenset()
-    finite = torch.stack([b.detach().sum(dtype=torch.float32) for _, b in named]).isfinite().tolist()
+    finite = _finite_each([b for _, b in named]).tolist()
     return frozenset(name for (name, _), ok in zip(named, finite, strict=True) if ok)
+
+
+def _finite_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether each tensor holds no NaN or inf, one bool a tensor on their device: its float32 sum is finite (one
+    reduction a tensor, no mask the size of each)."""
+    return torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors]).isfinite()
 
 
 def diverged(parts: Parts, ckpt: Checkpointer, what: str) -> ConfigError:
