@@ -41,6 +41,17 @@ def run(cmd: list[str], timeout: float = 1800, **extra_env: str) -> subprocess.C
     return proc
 
 
+def log_time(line: str) -> float | None:
+    """The wall-clock time a line of a rank's log file begins with (train/observe/log.py's format, "2026-11-28
+    06:16:53.825"), or None for a line without one (a traceback's)."""
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
 def train_records(run_dir: Path) -> list[dict]:
     return [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from _util import trace_summary  # noqa: E402
+from _util import log_time, trace_summary  # noqa: E402
 
 PY = sys.executable
 LAUNCH = [PY, "-m", "train.launch", "--nproc-per-node=1", "--"]  # torchrun, one rank; a SIGTERM is a stop (75)
@@ -175,17 +175,9 @@ def timeline(log: Path, start: float, end: float) -> dict:
     """Seconds of a run from its start (wall clock) and rank 0's log: to its first line (Python, torch and the
     config), to its first step line (the build, the data, compilation and the first log window's steps), between
     its first and last step lines, and after the last (the final save and evaluation, the teardown)."""
-    import datetime
-
-    def at(line: str) -> float | None:
-        try:
-            return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-        except ValueError:
-            return None
-
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    first = next((t for t in map(at, lines) if t), None)
-    steps = [t for line in lines if " INFO step " in line and (t := at(line))]
+    first = next((t for t in map(log_time, lines) if t), None)
+    steps = [t for line in lines if " INFO step " in line and (t := log_time(line))]
     fig = {"wall_s": round(end - start, 1)}
     if first:
         fig["to_first_line_s"] = round(first - start, 1)

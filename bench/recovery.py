@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import ROOT, SMOKE_QUIET, write_json
+from _util import ROOT, SMOKE_QUIET, log_time, write_json
 
 TINY = ["task.image_size=32", "task.train_samples=1024", "task.eval_samples=64", "data.num_workers=0",
         "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1", "train.eval_every=0",
@@ -95,8 +95,7 @@ def once(run_dir: Path, nproc: int, model: str, smoke: bool, extra: list[str]) -
     t_detect = min(glog_time(x) for x in err.splitlines()
                    if re.match(r"[IWE]\d{4} ", x) and ("closing signal SIGTERM" in x or "failed (exitcode" in x))
     resumed = next(x for x in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "resumed from" in x)
-    stamp, load_s = resumed[:23], float(re.search(r" in ([\d.]+) s$", resumed).group(1))
-    t_loaded = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    t_loaded, load_s = log_time(resumed), float(re.search(r" in ([\d.]+) s$", resumed).group(1))
     step = int(re.search(r"at step (\d+)", resumed).group(1))
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     t_first = next(r["time"] for r in records if r.get("step") == step + 1 and "loss" in r)
