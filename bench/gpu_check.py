@@ -544,10 +544,8 @@ def stage_memory(check: Check, out: Path) -> dict:
 
 AT_ONCE = {"tests", "stop_relaunch", "hf"}  # results, not speed: run together, before the timed stages
 AT_ONCE_PROCESSES = 10  # the most they run at a time: pytest, 2 x 2 runs of stop_relaunch, 2 runs of hf, 3 warm-ups
-# The timed stages' warm-ups, run beside the result stages: each chain one after another, the chains at once (no two
-# compile the same graphs).
+# The timed stages' warm-ups, run beside the result stages, all at once (no two compile the same graphs).
 WARM = {"gpt": warm_gpt, "fsdp_vs_ddp": warm_fsdp_vs_ddp, "resnet50": warm_resnet50}
-WARM_CHAINS = [["gpt"], ["fsdp_vs_ddp"], ["resnet50"]]
 STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_stop_relaunch), ("hf", stage_hf),
           ("fsdp_vs_ddp", stage_fsdp_vs_ddp), ("resnet50", stage_resnet50), ("imagefolder", stage_imagefolder),
           ("memory", stage_memory)]
@@ -565,8 +563,8 @@ def run_stages(check: Check, chosen: list, warm: dict | None = None) -> None:
     timed = [s for s in chosen if s[0] not in AT_ONCE and s[0] != "memory"]
     last = [s for s in chosen if s[0] == "memory"]
     names = {n for n, _ in timed}
-    chains = [[(n, warm[n]) for n in chain if n in names and n in warm] for chain in WARM_CHAINS] if checks else []
-    warmups = [lambda c=c: [check.warm(*w) for w in c] for c in chains if c]  # (only beside result stages)
+    warmups = [lambda n=n, fn=fn: check.warm(n, fn) for n, fn in warm.items()
+               if n in names] if checks else []  # (only beside result stages)
 
     def one_at_a_time(stages):
         for name, fn in stages:

@@ -65,7 +65,7 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
     names = [n for n, _ in gpu_check.STAGES]
     results = [n for n in names if n in gpu_check.AT_ONCE]
     first_at_once = results + (["gpt", "resnet50"] if smoke else [])
-    warm_heads = [chain[0] for chain in gpu_check.WARM_CHAINS]  # each chain's first warm-up meets them too
+    warm_heads = list(gpu_check.WARM)  # the warm-ups meet them too
     barrier = threading.Barrier(len(first_at_once) + len(warm_heads), timeout=60)
     lock, events, running, most = threading.Lock(), [], [0], [0]
     images_started = threading.Event()
