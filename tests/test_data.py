@@ -57,6 +57,18 @@ def test_builtin_data_is_deterministic_and_balanced():
     assert not torch.equal(image.builtin(500, 10, 16, 3, "eval")[0], a[0])  # eval is held out
 
 
+@pytest.mark.parametrize("size", [9, 16])  # 9: 243 values an image, not a multiple of randn's blocks of 16
+def test_builtin_data_drawn_in_chunks_is_the_data_drawn_whole(monkeypatch, size):
+    """Built-in images are drawn a chunk at a time (host memory); a resumed run, or one on another version of
+    the template, gets the same pixels whatever the chunk (tests/test_golden.py holds the first losses)."""
+    whole = image.builtin(257, 3, size, 5, "train")
+    monkeypatch.setattr(image, "BUILTIN_CHUNK", 16)  # 17 chunks, the last of one image
+    chunked = image.builtin(257, 3, size, 5, "train")
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    protos = image.prototypes(3, size, 5)  # the task's datasets() draws them once for both splits
+    assert torch.equal(image.builtin(257, 3, size, 5, "eval", protos)[0], image.builtin(257, 3, size, 5, "eval")[0])
+
+
 def test_augmentation_depends_on_seed_epoch_and_index_only():
     cfg = config.load("configs/default.yaml", ["task.image_size=16", "task.train_samples=64"])
     train_set = data.SeededSamples(cfg.task_class(cfg.task, cfg.seed).datasets()[0], cfg.seed)
