@@ -397,6 +397,23 @@ def test_an_out_of_memory_in_an_evaluation_says_so(tmp_path):
         proc.stderr[-3000:]
 
 
+def test_an_out_of_memory_in_a_save_says_so(tmp_path):
+    """Raised by the checkpoint save of step 2, a step that also evaluates: told as the save's, not as step 3's
+    or the evaluation's; the checkpoints before it stay."""
+    patch = ("import torch\nreal = module.Checkpointer.save\ndef save(self, parts, *args, **kwargs):\n"
+             "    if parts.step == 2:\n"
+             "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
+             "    return real(self, parts, *args, **kwargs)\nmodule.Checkpointer.save = save\n")
+    env = after_import(tmp_path, "train.trainer", patch)
+    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
+                           "checkpoint.every=1", "train.eval_every=2", f"run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: out of GPU memory in the checkpoint save of step 2 ("), \
+        proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
 REAL_OUT_OF_MEMORY = """
 import torch
 real = module.train_step

@@ -60,6 +60,7 @@ class Parts:
     window_loss: torch.Tensor | None = None  # this rank's loss sum since the last log step (float32)
     window_steps: int = 0  # steps in that sum
     eval_pending: bool = False  # an evaluation was due at `step` but a stop came first: done after resume
+    saving: bool = False  # a save of `step` is under way (an error in it is told as the save's, not a step's)
     loads: frozenset[str] = frozenset()  # the model's tensors given memory only: a checkpoint or init_from fills them
     watched: frozenset[str] = frozenset()  # the floating buffers finite at the start, which check_weights watches
 
@@ -208,8 +209,10 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             return _stop(parts, ckpt)
         if ckpt.due(step):
             with meter.paused():
+                parts.saving = True
                 check_weights(parts, ckpt)
                 ckpt.save(parts)
+                parts.saving = False
             if parts.stop.agreed(parts.device):  # a stop that came during the save ends with it
                 return _stop(parts, ckpt)
         if parts.eval_pending and step < cfg.train.steps:
@@ -283,8 +286,10 @@ def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dic
 
 
 def _stop(parts: Parts, ckpt: Checkpointer) -> None:
+    parts.saving = True
     check_weights(parts, ckpt)
     step = ckpt.save_last(parts)  # blocking: complete on this rank
+    parts.saving = False
     torch.distributed.barrier()  # complete on every rank: now every node's marker may say so
     parts.markers.stopped(step, parts.stop.signal)
     torch.distributed.barrier()  # no rank exits before every node's marker is written
@@ -415,7 +420,7 @@ def save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:
 
 
 def out_of_memory(e: BaseException, cfg: Config, parts: Parts | None, training: bool) -> str | None:
-    """A device out of memory, in one line: where (a step, an evaluation, before training), what torch tried to
+    """A device out of memory, in one line: where (a step, an evaluation, a save, before training), what torch tried to
     allocate and held, and the settings that lower what a step needs; None for any other error."""
     first = str(e).strip().split("\n")[0]
     if not isinstance(e, torch.OutOfMemoryError) and "CUDA error: out of memory" not in first:
@@ -427,6 +432,7 @@ def out_of_memory(e: BaseException, cfg: Config, parts: Parts | None, training: 
     what = ", ".join(x for x in (f"tried to allocate {want}" if want else "",
                                  f"{held} of {total} in use by this process" if held and total else "") if x)
     when = ("before training began" if parts is None or not training else
+            f"in the checkpoint save of step {parts.step}" if parts.saving else
             f"in the evaluation after step {parts.step}" if parts.eval_pending else f"at step {parts.step + 1}")
     fixes = [f"lower train.micro_batch_size (now {cfg.train.micro_batch_size}; train.global_batch_size stays, by "
              f"more micro-batches a step)" if cfg.train.micro_batch_size > 1 else ""]
