@@ -125,6 +125,8 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
+    elif strategy in ("fsdp_pairs", "fsdp_fp32"):
+        wrapped = _fsdp_other(strategy, task, net)
     else:
         wrapped = wrapping.wrap(cfg, task, net, device)  # plain: one process's DDP strategy, the model itself
     if sharded:
@@ -163,6 +165,23 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     summary = _traced(step, 3, cuda, trace and dist.get_rank() == 0)  # every rank steps (collectives); rank 0 traces
     return world * batch * g.block_size * steps / seconds, peak.item(), summary
+
+
+def _fsdp_other(strategy: str, task, net: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 as train/parallel/wrapping.py shards the GPT (bf16), with fewer calls of its hooks a step, at a cost
+    each: fsdp_pairs, two blocks a unit (half the units; a unit holds two blocks gathered); fsdp_fp32, the
+    parameters gathered in fp32 and cast by autocast inside the compiled blocks (one copy a parameter, not a cast
+    and a copy; twice an all-gather's bytes on several GPUs)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=None if strategy == "fsdp_fp32" else torch.bfloat16,
+                              reduce_dtype=torch.float32)
+    blocks, size = list(task.blocks(net)), 2 if strategy == "fsdp_pairs" else 1
+    units = [blocks[i:i + size] for i in range(0, len(blocks), size)]
+    for unit in units:  # the last unit stays gathered for its backward, as wrapping.wrap's last block
+        fully_shard(unit if size > 1 else unit[0], reshard_after_forward=unit is not units[-1], mp_policy=mp)
+    fully_shard(net, mp_policy=mp)
+    return net
 
 
 def _traced(step, steps: int, cuda: bool, traced: bool) -> dict | None:
@@ -245,7 +264,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16, help="--lm: windows of 1024 tokens a GPU a step")
     p.add_argument("--variants", default="ddp,fsdp", help="--lm: of plain (the model itself, as one process trains), "
                    "ddp, fsdp, fsdp_keep (fsdp, dist.reshard_after_forward=false: each block gathered once a step), "
-                   "fsdp_model (fsdp, --compile compiling the model alone, not with its loss); "
+                   "fsdp_model (fsdp, --compile compiling the model alone, not with its loss), fsdp_pairs (two blocks "
+                   "a unit), fsdp_fp32 (parameters gathered in fp32, cast by autocast); "
                    "_bN after one (fsdp_b32) measures it at a micro-batch of N, against ddp_bN")
     p.add_argument("--compile", action="store_true", help="--lm: torch.compile the wrapped model")
     p.add_argument("--no-trace", action="store_true", help="--lm: no torch.profiler trace of each variant")
