@@ -177,9 +177,12 @@ class StepMeter:
         wall = time.perf_counter() - self.t0 - self.paused_s
         compute = self.compute_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3  # all done by now
         mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
-        mine = torch.tensor([wall, self.data_s, compute, mem], dtype=torch.float64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
+        mine = torch.tensor([wall, self.data_s, compute, mem], dtype=torch.float64,
+                            device=self.device if self.world_size > 1 else "cpu")
+        every = [mine]  # one process: its row stays on the host, with no trip to the GPU and back while it idles
+        if self.world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
         wall, data, compute, mem = torch.stack(every).cpu().T  # one row per rank
         steps = max(self.steps, 1)
         # Each rank's own time: the job's wall time (rank 0's clock) minus its wait for slower ranks; at
