@@ -209,10 +209,7 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             return _stop(parts, ckpt)
         if ckpt.due(step):
             with meter.paused():
-                parts.saving = True
-                check_weights(parts, ckpt)
-                ckpt.save(parts)
-                parts.saving = False
+                _checked_save(parts, ckpt, ckpt.save)
             if parts.stop.agreed(parts.device):  # a stop that came during the save ends with it
                 return _stop(parts, ckpt)
         if parts.eval_pending and step < cfg.train.steps:
@@ -227,6 +224,16 @@ def fit(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             "samples_per_s": (parts.step - start_step) * cfg.train.global_batch_size / max(wall, 1e-9),
             "wall_s": wall, "ranks_in_sync": ranks_in_sync(parts),
             "global_batch_size": cfg.train.global_batch_size, "precision": cfg.train.precision}
+
+
+def _checked_save(parts: Parts, ckpt: Checkpointer, save: Callable[[Parts], object]) -> object:
+    """`save(parts)` (a checkpoint's, or a stop's last) after check_weights; `parts.saving` meanwhile, left set if it
+    raises: out_of_memory tells an error in it as the save's."""
+    parts.saving = True
+    check_weights(parts, ckpt)
+    result = save(parts)
+    parts.saving = False
+    return result
 
 
 def check_weights(parts: Parts, ckpt: Checkpointer) -> None:
@@ -286,10 +293,7 @@ def _evaluate_and_log(parts: Parts, ckpt: Checkpointer, meter: StepMeter) -> dic
 
 
 def _stop(parts: Parts, ckpt: Checkpointer) -> None:
-    parts.saving = True
-    check_weights(parts, ckpt)
-    step = ckpt.save_last(parts)  # blocking: complete on this rank
-    parts.saving = False
+    step = _checked_save(parts, ckpt, ckpt.save_last)  # blocking: complete on this rank
     torch.distributed.barrier()  # complete on every rank: now every node's marker may say so
     parts.markers.stopped(step, parts.stop.signal)
     torch.distributed.barrier()  # no rank exits before every node's marker is written
