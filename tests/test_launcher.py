@@ -384,36 +384,25 @@ def test_an_out_of_memory_before_training_is_said_once_with_its_traceback(tmp_pa
     assert "Traceback (most recent call last)" in err and "in build" in err, err[-3000:]
 
 
-def test_an_out_of_memory_in_an_evaluation_says_so(tmp_path):
-    """The same error raised by the evaluation after step 2 (train.eval_every=2) is told as that evaluation's."""
-    patch = ("import torch\nreal = module.evaluate\ndef evaluate(parts, *args):\n"
-             "    if parts.step == 2:\n"
+# torch's out-of-memory error raised at step 2 by the trainer's `evaluate` or by the checkpoint save, the one
+# that step 2 also evaluates after: what the line names, and the latest checkpoint left
+@pytest.mark.parametrize("target, says, latest", [
+    ("module.evaluate", "in the evaluation after step 2", "step_00000002"),
+    ("module.Checkpointer.save", "in the checkpoint save of step 2", "step_00000001"),
+], ids=["evaluation", "save"])
+def test_an_out_of_memory_in_an_evaluation_or_a_save_says_which(tmp_path, target, says, latest):
+    """Told as that evaluation's or that save's, not as step 3's; the checkpoints before it stay."""
+    patch = (f"import torch\nreal = {target}\ndef raising(*args, **kwargs):\n"
+             "    if any(type(a).__name__ == 'Parts' and a.step == 2 for a in args):\n"
              "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
-             "    return real(parts, *args)\nmodule.evaluate = evaluate\n")
-    env = after_import(tmp_path, "train.trainer", patch)
-    proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
-                           "train.eval_every=2", f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("error: out of GPU memory in the evaluation after step 2 ("), \
-        proc.stderr[-3000:]
-
-
-def test_an_out_of_memory_in_a_save_says_so(tmp_path):
-    """Raised by the checkpoint save of step 2, a step that also evaluates: told as the save's, not as step 3's
-    or the evaluation's; the checkpoints before it stay."""
-    patch = ("import torch\nreal = module.Checkpointer.save\ndef save(self, parts, *args, **kwargs):\n"
-             "    if parts.step == 2:\n"
-             "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
-             "    return real(self, parts, *args, **kwargs)\nmodule.Checkpointer.save = save\n")
+             f"    return real(*args, **kwargs)\n{target} = raising\n")
     env = after_import(tmp_path, "train.trainer", patch)
     proc = subprocess.run([PY, "-m", "train", "--config", "configs/default.yaml", *TINY, "train.steps=4",
                            "checkpoint.every=1", "train.eval_every=2", f"run.dir={tmp_path / 'run'}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("error: out of GPU memory in the checkpoint save of step 2 ("), \
-        proc.stderr[-3000:]
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert proc.returncode == 1 and last.startswith(f"error: out of GPU memory {says} ("), proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == latest
 
 
 REAL_OUT_OF_MEMORY = """
