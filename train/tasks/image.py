@@ -65,7 +65,6 @@ class ImageClassification(Task):
             protos = prototypes(c.num_classes, c.image_size, seed)
             tr = builtin(c.train_samples, c.num_classes, c.image_size, seed, "train", protos)
             ev = builtin(c.eval_samples, c.num_classes, c.image_size, seed, "eval", protos)
-            del protos
             self.num_classes = c.num_classes
             self.mean, self.std = 0.5, 0.25
             return ArrayDataset(*tr, c.augment), ArrayDataset(*ev, False)
