@@ -118,7 +118,7 @@ def train_step(parts: Parts, batches, sizes: list[int], meter: StepMeter) -> tor
     of the step (a tensor: no sync)."""
     cfg = parts.cfg
     optim.set_lr(parts.optimizer, optim.lr_at(parts.step, cfg.train.steps, cfg.optim))
-    total = torch.zeros((), device=parts.device)
+    total = None
     accum, share, uneven = len(sizes), sum(sizes), len(set(sizes)) > 1
     for micro, size in enumerate(sizes):
         with meter.waiting_for_data():
@@ -132,10 +132,14 @@ def train_step(parts: Parts, batches, sizes: list[int], meter: StepMeter) -> tor
                 raise ConfigError(f"task {cfg.task_name}: loss() must return a scalar tensor, got "
                                   f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
             # Each micro-batch's mean loss weighted by its samples: the step's gradient is the mean over the share
-            # (equal micro-batches: the same weight, 1 / accum, written as the division it always was: bitwise).
-            loss = loss * (size / share) if uneven else loss / accum
+            # (equal micro-batches: the same weight, 1 / accum, written as the division it always was: bitwise; one
+            # micro-batch: no division, whose x / 1 is x, and its two kernels, forward and backward, go).
+            if uneven:
+                loss = loss * (size / share)
+            elif accum > 1:
+                loss = loss / accum
             parts.scaler.scale(loss).backward()
-        total += loss.detach().float()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
     if cfg.train.grad_clip > 0:
         parts.scaler.unscale_(parts.optimizer)  # clip true gradients, not scaled ones
         nn.utils.clip_grad_norm_(parts.raw.parameters(), cfg.train.grad_clip)  # FSDP: over all shards
