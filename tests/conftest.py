@@ -48,6 +48,14 @@ def pacing(overrides) -> list[str]:
 
 OBSERVED = ["log.wandb.mode=offline", "log.report=true"]  # the defaults TINY turns off
 
+# The same CPU kernels on every x86-64 machine, for the runs whose numbers are compared with tests/golden.json: ATen's
+# plain C++ kernels (no AVX2 or AVX-512 variants), oneDNN's SSE4.1 ones and MKL's bit-reproducible path on any
+# vendor's CPU (its AVX2 setting falls back to the machine's own choice on AMD). Each vector width sums in its own
+# order: the ResNet-18 golden run's losses on an AVX2-only AMD EPYC and on the file's machine were 1e-5 apart at step
+# 2 and 2e-2 at step 6, and its plain kernels against its AVX2 ones 2e-5 at step 1 (batch norm over 8 samples
+# amplifies each difference, at any learning rate tried: 3e-3 to 3e-2).
+SAME_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE"}
+
 # Variables a launcher would set: tests start from none of them.
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "TORCHELASTIC_RUN_ID")
@@ -249,7 +257,8 @@ def pytest_collection_finish(session):
 
 # Finished runs that several tests start from, made once per session (each launch costs ~5 s of imports
 # alone). Tests only read them; a test that changes a run works on its own copy (copy_run).
-def session_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1, tiny: bool = True) -> Path:
+def session_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1, tiny: bool = True,
+                env: dict | None = None) -> Path:
     """A run to its end, made once per test session: under pytest-xdist by the first worker that needs it, in
     the session's temporary folder that all the workers share, while the others wait for it (a lock)."""
     shared = tmp_path_factory.getbasetemp()
@@ -260,7 +269,7 @@ def session_run(tmp_path_factory, name: str, *overrides: str, nproc: int = 1, ti
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
         if not (run_dir / "summary.json").exists():  # written last: a run that failed half-way is made again
             shutil.rmtree(run_dir, ignore_errors=True)
-            run_train(run_dir, *overrides, nproc=nproc, tiny=tiny)
+            run_train(run_dir, *overrides, nproc=nproc, tiny=tiny, env=env)
     return run_dir
 
 
@@ -289,9 +298,9 @@ def finished_16_steps(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_resnet18(tmp_path_factory) -> Path:
     """finished_two_ranks with the built-in ResNet-18 (RESNET: TINY's sizes, torchvision's model): the golden
-    numbers (tests/test_golden.py), and the weights the export writes (test_checkpoint_format.py)."""
+    numbers (tests/test_golden.py: on SAME_KERNELS), and the weights the export writes (test_checkpoint_format.py)."""
     return session_run(tmp_path_factory, "finished_resnet18", *RESNET, "checkpoint.every=2", "checkpoint.keep=3",
-                       "train.eval_every=2", nproc=2, tiny=False)
+                       "train.eval_every=2", nproc=2, tiny=False, env=clean_env(**SAME_KERNELS))
 
 
 def copy_run(src: Path, dst: Path) -> Path:
