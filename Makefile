@@ -1,6 +1,7 @@
 # Set-up and launch. Every target installs what it needs into .venv first.
 #   make train-local            train configs/default.yaml on this machine (NPROC=, CONFIG=, ARGS=)
 #   make test                   the whole test suite (PYTEST_ARGS=, TEST_WORKERS=)
+#   make test-quick             the tests that start no process (tests/quick/), a minute or two
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-python venv-torch test-torch lint bench gpu-check clean-runs
+.PHONY: venv dev train-local test test-quick test-python venv-torch test-torch lint bench gpu-check clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -47,10 +48,16 @@ train-local: venv
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
+# The quick tier: tests/quick/ starts no process (its conftest.py refuses one), so it needs one core and no
+# worker; the other tiers are tests/runs/ (training processes) and tests/systems/ (SLURM, Docker, real hosts).
+test-quick: dev
+	$(PY) -m pytest tests/quick -q $(PYTEST_ARGS)
+
 # The checkpoint and resume tests under another Python docs/dev/testing.md names (CI: 3.13; a checkpoint's pickled
 # classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
 OTHER_PYTHON ?= python3.13
-OTHER_TESTS ?= tests/test_resume.py tests/test_checkpoint_format.py
+OTHER_TESTS ?= tests/quick/test_checkpoint_format.py tests/quick/test_resume.py tests/runs/test_resume.py \
+	tests/runs/test_checkpoint_format.py
 test-python:
 	$(MAKE) test PYTHON=$(OTHER_PYTHON) VENV=.venv-$(notdir $(OTHER_PYTHON)) PYTEST_ARGS="$(OTHER_TESTS)"
 
@@ -66,12 +73,12 @@ TORCHVISION ?= $(TORCHVISION_$(TORCH))
 # (The torch's own install reads no pip configuration file: a machine's cap on torch, such as one in
 # /etc/xdg/pip/pip.conf, does not hold back the torch asked for.)
 KEEP_TORCH_INSTALL = pip install -q -r <(grep -vE '^(torch|torchvision)==' requirements.txt)
-TORCH_TESTS ?= tests/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
-	tests/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
-	tests/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
-	"tests/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
-	tests/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
-	tests/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
+TORCH_TESTS ?= tests/runs/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
+	tests/runs/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
+	tests/runs/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
+	"tests/runs/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
+	tests/runs/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
+	tests/runs/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
 # venv-torch: that venv alone (.ci/run installs both while the whole suite runs)
 venv-torch test-torch:
 	@test -n "$(TORCH)" -a -n "$(TORCHVISION)" || { echo "error: name the torch (and, for one other than \
@@ -102,7 +109,7 @@ gpu-check:
 clean-runs:
 	rm -rf runs
 
-# Containers (see docs/containers.md and docs/kubernetes.md; tests/test_image.py, test_container.py and test_compose.py
+# Containers (see docs/containers.md and docs/kubernetes.md; tests/systems/test_image.py, test_container.py and test_compose.py
 # build and run them).
 #   make docker-build           build the image $(IMAGE), the tag docker-compose.yml and k8s/ use
 #   make compose-up             a 2-node job on this host (PROFILE=gpu: one GPU per node; PROFILE=cpu)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real SLURM cluster on this one machine, to try slurm/train.sbatch without a cluster: munge, slurmctld
 # and one `slurmd -N nX` per emulated node, all on 127.0.0.1. (The tests start their own cluster, one
-# slurmd per network-namespace host: tests/test_slurm.py.)
+# slurmd per network-namespace host: tests/systems/test_slurm.py.)
 #
 #   sudo slurm/local-cluster.sh up       # or: make slurm-local-up    (NODES=2 CPUS=2)
 #   sudo slurm/local-cluster.sh status

@@ -1,4 +1,11 @@
-"""Shared helpers: run the real entry point (single process or torchrun with gloo) on a tiny config."""
+"""Shared helpers: run the real entry point (single process or torchrun with gloo) on a tiny config.
+
+The tests come in tiers, a folder each, by what they need:
+    tests/quick/    nothing but this process (it refuses to start one): `make test-quick`, a minute or two
+    tests/runs/     training processes on this machine: python -m train, torchrun with gloo ranks, the launcher
+    tests/systems/  an outside system: SLURM's daemons, a Docker engine, real hosts (network namespaces)
+Tests that need a CUDA GPU carry the `gpu` marker in any tier and skip without one (`make gpu-check` runs them).
+"""
 
 from __future__ import annotations
 
@@ -215,13 +222,16 @@ def pytest_collection_modifyitems(config, items):
     rather than one alone for minutes while the other has nothing left."""
     image_files = {item.path for item in items if _uses_image(item)}
 
-    def last(item) -> tuple[bool, int]:
+    def order(item) -> tuple[bool, bool, int, str]:
+        """The quick tier first (seconds), then runs' and systems' files mixed by name, so that the ones that mostly
+        wait (SLURM, real hosts) overlap the ones that compute, and the image's last."""
+        quick = item.path.parent.name == "quick"
         if item.path not in image_files:
-            return False, 0
+            return not quick, False, 0, item.path.name
         name = item.path.name
-        return True, IMAGE_FILES.index(name) if name in IMAGE_FILES else len(IMAGE_FILES)
+        return True, True, IMAGE_FILES.index(name) if name in IMAGE_FILES else len(IMAGE_FILES), name
 
-    items.sort(key=last)  # stable: the files keep their order, a file's tests theirs
+    items.sort(key=order)  # stable: a file's tests keep their order
 
 
 @pytest.hookimpl(optionalhook=True)  # (a run without xdist: -p no:xdist)
@@ -298,7 +308,8 @@ def finished_16_steps(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_resnet18(tmp_path_factory) -> Path:
     """finished_two_ranks with the built-in ResNet-18 (RESNET: TINY's sizes, torchvision's model): the golden
-    numbers (tests/test_golden.py: on SAME_KERNELS), and the weights the export writes (test_checkpoint_format.py)."""
+    numbers (tests/runs/test_golden.py: on SAME_KERNELS), and the weights the export writes
+    (tests/runs/test_checkpoint_format.py)."""
     return session_run(tmp_path_factory, "finished_resnet18", *RESNET, "checkpoint.every=2", "checkpoint.keep=3",
                        "train.eval_every=2", nproc=2, tiny=False, env=clean_env(**SAME_KERNELS))
 

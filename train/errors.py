@@ -1,6 +1,6 @@
 """The bottom of the package: the error types, exit codes and names that every layer shares.
 
-It imports nothing of train and nothing outside the standard library (tests/test_imports.py checks), so any
+It imports nothing of train and nothing outside the standard library (tests/quick/test_imports.py checks), so any
 module may import it, the launcher before torch, without closing a circle. The imports point one way:
 entry points (python -m train, train.launch, .prepare, .export, .report, .doctor, .submit) -> the trainer ->
 its components (data, checkpoints, distributed setup, logs) -> config -> this module.

@@ -2,7 +2,7 @@
 
 Each key of train/config.py's dataclasses and of the built-in tasks' Configs, with its default, its meaning
 (the comment on its line in the source) and what a relaunch of a run does with a changed value. Written
-from the code, so it cannot drift: tests/test_readme.py checks the page equals this output, and --check
+from the code, so it cannot drift: tests/runs/test_readme.py checks the page equals this output, and --check
 exits 1 where it does not.
 """
 

@@ -4,7 +4,7 @@
     python -m train.submit --nodes 1 --gpus-per-node 2 --cpus-per-task 16 -- --config configs/default.yaml
     python -m train.submit --nodes 2 --gpus-per-node 0 --cpus-per-task 16 -- ...    # CPU nodes
 
-The same defaults as slurm/train.sbatch's #SBATCH lines (tests/test_slurm.py holds them equal): 8 GPUs and
+The same defaults as slurm/train.sbatch's #SBATCH lines (tests/systems/test_slurm.py holds them equal): 8 GPUs and
 64 CPUs per node, 4 hours, the stop signal 180 s before the time limit, the job name, 10 requeues.
 
 One task per node; each runs the shared launcher (python -m train.launch -> torchrun) with a c10d

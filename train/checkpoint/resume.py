@@ -1,5 +1,5 @@
 """Which checkpoint a start resumes from: the decision (`decide`, on rank 0) and its table of cases
-(RESUME_CASES), which the code logs from and the tests read (tests/test_resume.py). The checks that a
+(RESUME_CASES), which the code logs from and the tests read (tests/runs/test_resume.py). The checks that a
 checkpoint fits this run (another model, optimizer or config: `mismatch`, `config_diff`) are here too; the
 loading itself, with its fall back past corrupt checkpoints, is Checkpointer.resume.
 """
@@ -27,62 +27,62 @@ from train.errors import ConfigError, missing_path
 
 # What a start does with the checkpoints it finds: every case, once. `decide` picks the case and its candidates
 # (the case's words are its log line), Checkpointer.resume tries them; check_fresh_start guards resume=never.
-# Each case names the tests that show it (tests/test_resume.py::test_the_resume_table_names_real_tests keeps
+# Each case names the tests that show it (tests/quick/test_resume.py::test_the_resume_table_names_real_tests keeps
 # them real): a case is added here with its test.
 RESUME_CASES = {
     "auto, no checkpoint": (
         "a fresh run from step 0",
-        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
+        ["runs/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
     "auto, the run's own checkpoints": (
         "the newest complete one (not newer than `latest`), bitwise as an uninterrupted run",
-        ["test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
-         "test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
+        ["runs/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
+         "runs/test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
     "auto, step folders without a manifest": (
         "tried in their turn as corrupt ones: a copy that lost its manifest.json is set aside (kept, never "
         "overwritten or deleted) once an older one loads, and refused (exit 2) with every folder kept if none does",
-        ["test_resume.py::test_step_folders_without_a_manifest_are_never_overwritten_or_deleted"]),
+        ["runs/test_resume.py::test_step_folders_without_a_manifest_are_never_overwritten_or_deleted"]),
     "auto, a finished run whose checkpoints are gone": (
         "refused (exit 2): its summary.json says it ran, and starting over would redo it and overwrite its record",
-        ["test_resume.py::test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again"]),
+        ["runs/test_resume.py::test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again"]),
     "auto, the newest corrupt (any rank's share)": (
         "one warning each, all ranks fall back to the newest that loads; the newer ones are set aside",
-        ["test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
-         "test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
-         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+        ["runs/test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
+         "runs/test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
+         "runs/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
     "auto, none loads": (
         "refused (exit 2) with the newest one's problem and the ways out; every checkpoint stays, nothing trained",
-        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+        ["runs/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
     "another model or optimizer": (
         "refused (exit 2), naming the config keys and tensors that differ; nothing is written",
-        ["test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+        ["runs/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
     "another world size or strategy (DDP, FSDP)": (
         "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
-        ["test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
-         "uninterrupted_run", "test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
+        ["runs/test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
+         "uninterrupted_run", "runs/test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
     "another seed": (
         "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
-        ["test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
-         "test_resume.py::test_resume_from_a_path"]),
+        ["runs/test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
+         "runs/test_resume.py::test_resume_from_a_path"]),
     "an earlier format (one .pt file)": (
         "refused (exit 2) with the `python -m train.checkpoint --convert` command, which converts it",
-        ["test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
-         "test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
+        ["runs/test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
+         "runs/test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
     "the previous release's checkpoint": (
         "resumes bitwise as an uninterrupted run of this release",
-        ["test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
+        ["runs/test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
     "PATH, the run directory holds none of its own": (
         "a new run (a branch, a fine-tune) from PATH; refused (exit 2) if nothing there loads",
-        ["test_resume.py::test_resume_from_a_path",
-         "test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+        ["runs/test_resume.py::test_resume_from_a_path",
+         "runs/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
     "PATH, the run directory holds its own": (
         "a relaunch: continues from its own as auto does, PATH last",
-        ["test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
+        ["runs/test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
     "PATH inside the run directory": (
         "a rollback, once: the later checkpoints are set aside, the saves after it record it",
-        ["test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
+        ["runs/test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
     "never": (
         "a fresh run from step 0; refused (exit 2) where the run directory holds a run: nothing is overwritten",
-        ["test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
+        ["runs/test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
 }
 
 

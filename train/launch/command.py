@@ -18,7 +18,7 @@ from train.launch.rendezvous import check_conf, split_endpoint
 REQUEUE_CODE_VAR = "REQUEUE_EXIT_CODE"
 # A scheduler's grace period (SIGTERM to SIGKILL) is the stop budget plus this: torchrun's and the launcher's
 # own exit after the workers' save (the launcher waits up to the budget + 5 s for them). The k8s manifests'
-# terminationGracePeriodSeconds are STOP_TIMEOUT + GRACE_MARGIN_S (tests/test_k8s.py).
+# terminationGracePeriodSeconds are STOP_TIMEOUT + GRACE_MARGIN_S (tests/systems/test_k8s.py).
 GRACE_MARGIN_S = 20
 
 # option -> (its environment variables, default)
