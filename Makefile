@@ -49,15 +49,15 @@ test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The quick tier: tests/quick/ starts no process (its conftest.py refuses one), so it needs one core and no
-# worker; the other tiers are tests/runs/ (training processes) and tests/systems/ (SLURM, Docker, real hosts).
+# worker; the other tiers are tests/processes/ (training processes) and tests/systems/ (SLURM, Docker, real hosts).
 test-quick: dev
 	$(PY) -m pytest tests/quick -q $(PYTEST_ARGS)
 
 # The checkpoint and resume tests under another Python docs/dev/testing.md names (CI: 3.13; a checkpoint's pickled
 # classes move between versions), in a venv of its own: make test-python OTHER_PYTHON=/path/to/python3.13
 OTHER_PYTHON ?= python3.13
-OTHER_TESTS ?= tests/quick/test_checkpoint_format.py tests/quick/test_resume.py tests/runs/test_resume.py \
-	tests/runs/test_checkpoint_format.py
+OTHER_TESTS ?= tests/quick/test_checkpoint_format.py tests/quick/test_resume.py tests/processes/test_resume.py \
+	tests/processes/test_checkpoint_format.py
 test-python:
 	$(MAKE) test PYTHON=$(OTHER_PYTHON) VENV=.venv-$(notdir $(OTHER_PYTHON)) PYTEST_ARGS="$(OTHER_TESTS)"
 
@@ -73,12 +73,12 @@ TORCHVISION ?= $(TORCHVISION_$(TORCH))
 # (The torch's own install reads no pip configuration file: a machine's cap on torch, such as one in
 # /etc/xdg/pip/pip.conf, does not hold back the torch asked for.)
 KEEP_TORCH_INSTALL = pip install -q -r <(grep -vE '^(torch|torchvision)==' requirements.txt)
-TORCH_TESTS ?= tests/runs/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
-	tests/runs/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
-	tests/runs/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
-	"tests/runs/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
-	tests/runs/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
-	tests/runs/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
+TORCH_TESTS ?= tests/processes/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
+	tests/processes/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
+	tests/processes/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
+	"tests/processes/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
+	tests/processes/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
+	tests/processes/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
 # venv-torch: that venv alone (.ci/run installs both while the whole suite runs)
 venv-torch test-torch:
 	@test -n "$(TORCH)" -a -n "$(TORCHVISION)" || { echo "error: name the torch (and, for one other than \

@@ -2,7 +2,7 @@
 
 The tests come in tiers, a folder each, by what they need:
     tests/quick/    nothing but this process (it refuses to start one): `make test-quick`, a minute or two
-    tests/runs/     training processes on this machine: python -m train, torchrun with gloo ranks, the launcher
+    tests/processes/     training processes on this machine: python -m train, torchrun with gloo ranks, the launcher
     tests/systems/  an outside system: SLURM's daemons, a Docker engine, real hosts (network namespaces)
 Tests that need a CUDA GPU carry the `gpu` marker in any tier and skip without one (`make gpu-check` runs them).
 """
@@ -308,8 +308,8 @@ def finished_16_steps(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_resnet18(tmp_path_factory) -> Path:
     """finished_two_ranks with the built-in ResNet-18 (RESNET: TINY's sizes, torchvision's model): the golden
-    numbers (tests/runs/test_golden.py: on SAME_KERNELS), and the weights the export writes
-    (tests/runs/test_checkpoint_format.py)."""
+    numbers (tests/processes/test_golden.py: on SAME_KERNELS), and the weights the export writes
+    (tests/processes/test_checkpoint_format.py)."""
     return session_run(tmp_path_factory, "finished_resnet18", *RESNET, "checkpoint.every=2", "checkpoint.keep=3",
                        "train.eval_every=2", nproc=2, tiny=False, env=clean_env(**SAME_KERNELS))
 

@@ -1,6 +1,6 @@
 """The built-in GPT with an integer buffer (transformer.counts: [70000, 3, 65537], which bf16 or fp16 would round),
 stored in its Hugging Face files as a model_type transformers does not know (so that the export checks the task's
-own keys only); $EXPORT_BREAK makes its export misdescribe the model (tests/runs/test_export_hf.py): `config`, a
+own keys only); $EXPORT_BREAK makes its export misdescribe the model (tests/processes/test_export_hf.py): `config`, a
 config.json of one layer more than the files; `model`, a model of one layer more than the checkpoint holds."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from train.task import HFTensor
+from train.hf_format import HFTensor
 from train.tasks.gpt import LanguageModel
 
 COUNTS = [70000, 3, 65537]

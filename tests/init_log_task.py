@@ -1,5 +1,5 @@
 """The built-in GPT, writing the name of each tensor that the trainer gives its random init (Task.init_parameter)
-to the file $INIT_LOG, one a line: what a launch draws (tests/runs/test_pretrained.py)."""
+to the file $INIT_LOG, one a line: what a launch draws (tests/processes/test_pretrained.py)."""
 
 import os
 

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from train import task  # noqa: E402
+from train import task_loader  # noqa: E402
 
-_load_class = task.load_class
+_load_class = task_loader.load_class
 
 
 def _draw(module, args):
@@ -45,5 +45,5 @@ def load_class(spec: str):
     return cls
 
 
-task.load_class = load_class  # train.config imports it when it loads the config
+task_loader.load_class = load_class  # train.config imports it when it loads the config
 runpy.run_module("train", run_name="__main__", alter_sys=True)

@@ -283,7 +283,7 @@ def to_dict(obj: Any) -> dict:
 def _set_task(cfg: Config, sections: list[Any]) -> None:
     """The task section: task.name (the last one given) picks the Task class, whose Config then takes the
     other task.* keys, the file's first and the command line's over them."""
-    from train.task import DEFAULT, load_class  # imports the task's module (a user's file: torch)
+    from train.task_loader import DEFAULT, load_class  # imports the task's module (a user's file: torch)
 
     sections = [{"name": s} if isinstance(s, str) else ({} if s is None else s) for s in sections]
     for s in sections:

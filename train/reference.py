@@ -2,7 +2,7 @@
 
 Each key of train/config.py's dataclasses and of the built-in tasks' Configs, with its default, its meaning
 (the comment on its line in the source) and what a relaunch of a run does with a changed value. Written
-from the code, so it cannot drift: tests/runs/test_readme.py checks the page equals this output, and --check
+from the code, so it cannot drift: tests/processes/test_readme.py checks the page equals this output, and --check
 exits 1 where it does not.
 """
 
@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 
 from train import config
-from train.task import load_class
+from train.task_loader import load_class
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 TASKS = {"train.tasks.image:ImageClassification": "the built-in image task (configs/default.yaml)",

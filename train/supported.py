@@ -14,7 +14,7 @@ from train.errors import ConfigError
 
 TORCH_MIN = (2, 11)  # the oldest torch supported: README, Makefile's test-torch, .ci/run
 TORCH_TESTED = (2, 15)  # the newest torch tested
-PINS = "torch==2.14.1 torchvision==0.29.2"  # requirements.txt (tests/runs/test_torch_range.py keeps them equal)
+PINS = "torch==2.14.1 torchvision==0.29.2"  # requirements.txt (tests/processes/test_torch_range.py keeps them equal)
 
 
 def _text(version: tuple[int, int]) -> str:

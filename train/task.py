@@ -41,91 +41,17 @@ What the trainer asks of a task, and only that:
 from __future__ import annotations
 
 import functools
-import importlib
-import json
-import sys
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, is_dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from train.errors import ConfigError, missing_path
-
-
-@dataclass(frozen=True)
-class HFTensor:
-    """Where one of the model's tensors is in a Hugging Face safetensors checkpoint."""
-
-    name: str  # its key in the files
-    transposed: bool = False  # stored transposed: GPT-2's Conv1D keeps (in, out) where nn.Linear has (out, in)
-    rows: int = 0  # only its first `rows` rows are stored (a vocabulary padded for speed); 0: every row
-
-
-@dataclass
-class HFModel:
-    """A task's model as a Hugging Face model: config.json (what transformers builds it from) and, for each of the
-    model's parameters and persistent buffers, where it is in the files. A tensor left out is not stored (a
-    tied weight: lm_head.weight, the embedding's). `base_prefix`: the prefix that files of the base model
-    leave out (GPT2Model's files name transformer.wte.weight wte.weight), tried where a name is missing."""
-
-    config: dict
-    tensors: dict[str, HFTensor]
-    base_prefix: str = ""
-    files: tuple[str, ...] = ()  # other files export writes beside (the tokenizer of the folder it came from)
-    missing: str = ""  # why a tensor may be missing from a folder of this architecture, where the task knows
-
-
-# What a model folder holds that an export does not copy: the weights (written anew) and config.json (the task's).
-WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
-
-
-def beside_weights(folder: Path) -> tuple[str, ...]:
-    """The files of a Hugging Face folder that an export of a model trained from it copies: its tokenizer, its
-    generation_config.json, its README; not its weights nor its config.json (written anew)."""
-    return tuple(str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
-                 and p.name not in NOT_COPIED and not p.name.endswith(WEIGHTS))
-
-
-def is_hf_folder(path: Path) -> bool:
-    """A Hugging Face model folder: config.json, or safetensors files (refused later without config.json)."""
-    return path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.safetensors")))
-
-
-def hf_config(folder: Path, key: str = "task.init_from") -> dict:
-    """A Hugging Face folder's config.json, or a ConfigError naming what is missing."""
-    if not folder.exists():
-        raise missing_path(key, folder, "a Hugging Face model folder, copied to this machine: nothing is downloaded")
-    if not folder.is_dir():
-        raise ConfigError(f"{key}: {folder} is not a folder (a Hugging Face model folder, copied to this machine: "
-                          f"nothing is downloaded)")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{key}: {folder} has no config.json: a Hugging Face model folder holds config.json and "
-                          f"*.safetensors, as save_pretrained writes them")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: {path} does not read as JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{key}: {path} is not a JSON object")
-    quantized = config.get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "") if isinstance(quantized, dict) else ""
-        raise ConfigError(f"{key}: {folder} holds a quantized model ({method or 'quantization_config'} in its "
-                          f"config.json), whose weights mean nothing without their scales: train from the "
-                          f"unquantized model's folder (bf16 or fp32 safetensors)")
-    return config
-
+from train.errors import ConfigError
+from train.hf_format import HFModel, HFTensor  # noqa: F401  (a task's hf_model() builds them: train.task's names)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.utils.data import Dataset
-
-DEFAULT = "train.tasks.image:ImageClassification"
-
 
 class Task:
     """Subclass it in a file of yours; see the module's text for what each method is asked for."""
@@ -282,57 +208,3 @@ def first_tensor(batch: Any) -> torch.Tensor:
             pending.extend(reversed(item))
     raise ConfigError(f"a batch of {type(batch).__name__} holds no tensor: the default eval_step() counts a "
                       f"batch's samples by its first tensor; define eval_step() in the task")
-
-
-REQUIRED = ("datasets", "model", "loss")
-
-
-def _import_file(path: Path):
-    """A task's file, imported under its own name with its folder first on sys.path: loader workers (which
-    the trainer starts from a fork server, with this process's sys.path) then unpickle its data sets'
-    classes by importing it the same way."""
-    if not path.is_file():
-        raise ConfigError(f"task.name: {path} does not exist (relative paths start at {Path.cwd()})")
-    folder, name = str(path.resolve().parent), path.stem
-    if not name.isidentifier():
-        raise ConfigError(f"task.name: {path}: a task file's name must be a Python identifier (rename it)")
-    loaded = sys.modules.get(name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path.resolve():
-        raise ConfigError(f"task.name: {path} has the name of the module {name} ({getattr(loaded, '__file__', '')})"
-                          f": rename the file")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
-
-
-def load_class(spec: str) -> type[Task]:
-    """`path/to/file.py:Name` or `package.module:Name` -> the Task subclass; ConfigError naming what is wrong."""
-    where, colon, name = spec.rpartition(":")
-    if not colon or not where or not name:
-        raise ConfigError(f"task.name: {spec!r} is not of the form path/to/file.py:ClassName or module:ClassName")
-    try:
-        if where.endswith(".py"):
-            module = _import_file(Path(where))
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as e:  # a mistake in the task's file: where it is, in one line
-        if isinstance(e, ModuleNotFoundError) and e.name and (where == e.name or where.startswith(e.name + ".")):
-            raise ConfigError(f"task.name: cannot import {where} ({e}); install it or give a .py file's path") from None
-        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-        at = f" at {frame.filename}:{frame.lineno}" if frame else ""
-        raise ConfigError(f"task.name: importing {where} failed{at}: {type(e).__name__}: {e}") from None
-    cls = getattr(module, name, None)
-    if cls is None:
-        have = sorted(k for k, v in vars(module).items()
-                      if isinstance(v, type) and issubclass(v, Task) and v is not Task)
-        raise ConfigError(f"task.name: {where} has no {name}" + (f" (it has {', '.join(have)})" if have else ""))
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise ConfigError(f"task.name: {spec} is not a subclass of train.task.Task")
-    missing = [m for m in REQUIRED if getattr(cls, m) is getattr(Task, m)]
-    if missing:
-        raise ConfigError(f"task.name: {spec} does not define {', '.join(missing)}()")
-    if not is_dataclass(cls.Config):
-        raise ConfigError(f"task.name: {spec}.Config is not a @dataclass")
-    return cls

@@ -22,7 +22,7 @@ class ProcessStarted(AssertionError):
 
 
 def _refuse(*args, **kwargs):
-    raise ProcessStarted("tests/quick starts no process: move this test to tests/runs (training processes on this "
+    raise ProcessStarted("tests/quick starts no process: move this test to tests/processes (training processes on this "
                          "machine) or tests/systems (SLURM, Docker, real hosts)")
 
 

@@ -36,7 +36,7 @@ def test_builtin_data_is_deterministic_and_balanced():
 @pytest.mark.parametrize("size", [9, 16])  # 9: 243 values an image, not a multiple of randn's blocks of 16
 def test_builtin_data_drawn_in_chunks_is_the_data_drawn_whole(monkeypatch, size):
     """Built-in images are drawn a chunk at a time (host memory); a resumed run, or one on another version of
-    the template, gets the same pixels whatever the chunk (tests/runs/test_golden.py holds the first losses)."""
+    the template, gets the same pixels whatever the chunk (tests/processes/test_golden.py holds the first losses)."""
     whole = image.builtin(257, 3, size, 5, "train")
     monkeypatch.setattr(image, "BUILTIN_CHUNK", 16)  # 17 chunks, the last of one image
     chunked = image.builtin(257, 3, size, 5, "train")

@@ -1,5 +1,6 @@
 """Checkpointer: when to save, the save itself (blocking, or asynchronous in a writer thread of its own),
-what to keep, and loading the checkpoint the resume decision chose (train/checkpoint/resume.py).
+what to keep, and loading the checkpoint the resume decision chose (train/checkpoint/resume.py). It saves and
+loads a TrainState (train/checkpoint/state.py) and nothing else of the trainer.
 
 Layout, in <run_dir>/checkpoints/:
     step_00000100/           one checkpoint: a torch.distributed.checkpoint (DCP) folder
@@ -56,7 +57,8 @@ from train.checkpoint.dcp_io import (
     tensor_state,
     write_threads,
 )
-from train.checkpoint.resume import config_diff, decide, shapes, shapes_of, state_mismatch
+from train.checkpoint.resume import Decision, config_diff, shapes, shapes_of, state_mismatch
+from train.checkpoint.state import TrainState
 from train.checkpoint.storage import (
     FORMAT,
     MANIFEST,
@@ -84,7 +86,7 @@ class Checkpointer:
         self.saved_step: int | None = None  # the step of the last save started in this process
         self.resumed_from: Path | None = None  # the checkpoint this process resumed from
         # With resume=PATH into this run's own directory (a rollback): PATH, relative to the run directory. It
-        # goes into the manifest of every save, so that a relaunch knows the rollback is done (find_resume).
+        # goes into the manifest of every save, so that a relaunch knows the rollback is done (resume.decide).
         self.rollback: str | None = None
         self._pending: futures.Future | None = None  # a save being written in the background
         self._jobs: queue.SimpleQueue | None = None  # what the writer thread does (checkpoint.async)
@@ -109,45 +111,45 @@ class Checkpointer:
         found = complete_checkpoints(self.dir)
         return int(NAME.match(found[0].name).group(1)) if found else None
 
-    def save(self, parts, blocking: bool = False) -> None:
+    def save(self, state: TrainState, blocking: bool = False) -> None:
         """Called on every rank: every rank writes its share of the tensors (DCP); rank 0 the rest, then the
         manifest. With checkpoint.async (and not `blocking`), training goes on at once: DCP copies the
         tensors to host memory while the next step's forward and backward run (its optimizer step waits for
         the copy: _gate), and writes the files in the background, one save at a time."""
-        self.saved_step = parts.step
-        mine = {"rng": rng_state(parts.device),  # gathered to rank 0's trainer.pt by _write
-                "window": {"loss": float(parts.window_loss.item()), "steps": parts.window_steps}}
+        self.saved_step = state.step
+        mine = {"rng": rng_state(state.device),  # gathered to rank 0's trainer.pt by _write
+                "window": {"loss": float(state.window_loss.item()), "steps": state.window_steps}}
         self.wait()  # the next save waits for the previous one
         # DCP writes each replicated tensor from one rank of its choosing: every rank holds rank 0's buffers
         # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
-        sync_buffers(parts.raw)
-        tensors, rest = tensor_state(parts)
+        sync_buffers(state.model)
+        tensors, rest = tensor_state(state.model, state.optimizer, state.step)
         trainer = {
             "format": FORMAT,
             "rest": rest,  # the optimizer's hyper-parameters: all of its state that is not a tensor
-            "scaler": parts.scaler.state_dict(),
-            "step": parts.step,
-            "data": parts.stream.state_dict() | {"seed": self.cfg.seed},
-            "eval_pending": parts.eval_pending,
+            "scaler": state.scaler.state_dict(),
+            "step": state.step,
+            "data": state.data.state_dict() | {"seed": self.cfg.seed},
+            "eval_pending": state.eval_pending,
             "world_size": self.world_size,
             "config": to_dict(self.cfg),
             "tracker": {"run_id": self.tracker_id},
         } if self.rank == 0 else None
-        tmp = self.dir / f".step_{parts.step:08d}.tmp"
+        tmp = self.dir / f".step_{state.step:08d}.tmp"
         threads = write_threads(tensors, self.cfg.checkpoint.threads, self.world_size)
         background = self.cfg.checkpoint.async_ and not blocking
         writer = (BackgroundWriter if background else dcp.FileSystemWriter)(tmp, sync_files=True, thread_count=threads)
         writer.fs = ChecksummedFiles()
         if background:
-            tensors["model"] = buffers_copied(tensors.get("model", {}), parts.raw)
-            self._gate(parts.optimizer)
-            stager, self._staging, self._pending = self._host_copy(parts.device), futures.Future(), futures.Future()
-            job = (tensors, writer, stager, tmp, parts.step, trainer, mine, self._staging, self._pending)
-            self._writer_jobs(parts.device).put(lambda: self._write_async(*job))
+            tensors["model"] = buffers_copied(tensors.get("model", {}), state.model)
+            self._gate(state.optimizer)
+            stager, self._staging, self._pending = self._host_copy(state.device), futures.Future(), futures.Future()
+            job = (tensors, writer, stager, tmp, state.step, trainer, mine, self._staging, self._pending)
+            self._writer_jobs(state.device).put(lambda: self._write_async(*job))
         else:
-            upload = lambda: dcp.save(tensors, storage_writer=writer, planner=planner(),  # noqa: E731
-                                      process_group=self._group)
-            self._write(upload, tmp, parts.step, trainer, mine, writer.fs)
+            write_tensors = lambda: dcp.save(tensors, storage_writer=writer, planner=planner(),  # noqa: E731
+                                             process_group=self._group)
+            self._write(write_tensors, tmp, state.step, trainer, mine, writer.fs)
             self._raise_pending_error()
 
     def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
@@ -171,11 +173,11 @@ class Checkpointer:
         (the optimizer's next step waits for that: _gate), then writes them from DCP's own thread."""
         try:
             try:
-                upload = dcp.async_save(tensors, storage_writer=writer, planner=planner(), async_stager=stager,
-                                        process_group=self._group, async_checkpointer_type=ASYNC_TYPE)
+                written = dcp.async_save(tensors, storage_writer=writer, planner=planner(), async_stager=stager,
+                                         process_group=self._group, async_checkpointer_type=ASYNC_TYPE)
             finally:
                 staged.set_result(None)
-            self._write(upload.result, tmp, step, trainer, mine, writer.fs)
+            self._write(written.result, tmp, step, trainer, mine, writer.fs)
         except BaseException as e:  # reported by the training thread at the next save or at exit
             self._error = e
         finally:
@@ -209,7 +211,7 @@ class Checkpointer:
             self.staging_wait_s += time.perf_counter() - t
             self._staging = None
 
-    def save_last(self, parts) -> int:
+    def save_last(self, state: TrainState) -> int:
         """The last save of a stopped run, complete on this rank when this returns; the step the run stopped
         at (that of its last checkpoint).
 
@@ -217,21 +219,22 @@ class Checkpointer:
         (checkpoint.async, or a stop that came during a blocking save) is waited for, never written twice,
         and a step trained since it is trained again after the resume. Otherwise this step is saved,
         blocking. Either way a stop costs at most one step and one save (docs/stops.md: the stop budget)."""
-        if self.saved_step is not None and parts.step - self.saved_step <= 1:
+        if self.saved_step is not None and state.step - self.saved_step <= 1:
             step = self.saved_step
         else:
-            self.save(parts, blocking=True)
-            step = parts.step
+            self.save(state, blocking=True)
+            step = state.step
         self.wait()
         return step
 
-    def _write(self, upload, tmp: Path, step: int, trainer: dict | None, mine: dict, fs: ChecksummedFiles) -> None:
-        """Every rank: `upload` (DCP's write of the tensors, or the wait for it), then its RNG states and
+    def _write(self, write_tensors, tmp: Path, step: int, trainer: dict | None, mine: dict,
+               fs: ChecksummedFiles) -> None:
+        """Every rank: `write_tensors` (DCP's write of the tensors, or the wait for it), then its RNG states and
         loss window (`mine`) and the CRC-32s of its files to rank 0, which writes the rest (trainer.pt), the
         manifest and `latest` (publish). In checkpoint.async's thread, off the training thread's time."""
         try:
             t = time.perf_counter()
-            upload()
+            write_tensors()
             ranks = [None] * self.world_size
             dist.all_gather_object(ranks, mine, group=self._group)
             try:
@@ -283,19 +286,20 @@ class Checkpointer:
             self._removing.append(remove(p, later=True))
 
     # ---- resuming
-    def resume(self, parts) -> bool:
-        """Load the best complete checkpoint into parts; False when starting fresh. What it does in each case
-        is RESUME_CASES (above the class)."""
+    def resume(self, state: TrainState, decision: Decision) -> bool:
+        """Load the first of the decision's candidates that loads on every rank into `state`; False when starting
+        fresh. What it does in each case is RESUME_CASES (train/checkpoint/resume.py)."""
         self.wait()  # this process's own save and deletions, if any, are done: what is left over is a killed one's
         if self.rank == 0:
             if self.dir.is_dir():  # leftovers of a save (or a removal) that was killed: never counted
                 for p in self.dir.glob(".*.tmp*"):
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        candidates, error = self._agreed_candidates()
-        if error is not None:
-            raise ConfigError(error)
+            if self.cfg.resume != "never":
+                self.log.info(decision.line(self.cfg.resume))
+        self.rollback, candidates = decision.rollback, decision.candidates
         failed: list[str] = []  # "step_00000020 <what is wrong with it>" of each that did not load
-        tensors = tensor_state(parts)[0] if candidates else {}  # this run's model and optimizer, as DCP takes them
+        # this run's model and optimizer, as DCP takes them
+        tensors = tensor_state(state.model, state.optimizer, state.step)[0] if candidates else {}
         expected = {part: shapes_of(tensors.get(part, {})) for part in ("model", "optimizer")}
         for path in candidates:
             t = time.perf_counter()
@@ -314,14 +318,14 @@ class Checkpointer:
                                       f"{config_diff(self.cfg, trainer, section)}: {mismatch}; relaunch with "
                                       f"the {section}.* settings it was trained with, or start afresh with a new "
                                       f"run.name")
-            if problem := self._agreed_problem(self._load_tensors(parts, path, trainer)):
+            if problem := self._agreed_problem(self._load_tensors(state, path, trainer)):
                 self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
                 failed.append(f"{path.name} {problem}")
                 continue
-            self._load(parts, trainer, path, time.perf_counter() - t)
+            self._load(state, trainer, path, time.perf_counter() - t)
             self.resumed_from = path
             if self.rank == 0:
-                self._set_aside_after(parts.step)
+                self._set_aside_after(state.step)
             return True
         if self.cfg.resume not in ("auto", "never"):
             raise ConfigError(f"resume: no loadable checkpoint at {self.cfg.resume}"
@@ -347,17 +351,17 @@ class Checkpointer:
             return f"does not load ({error_text(e)})"
         return None
 
-    def _load_tensors(self, parts, path: Path, trainer: dict) -> str | None:
+    def _load_tensors(self, state: TrainState, path: Path, trainer: dict) -> str | None:
         """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
         size or the sharding changed); what went wrong, or None."""
-        tensors, _ = tensor_state(parts)  # the shapes to read into
+        tensors, _ = tensor_state(state.model, state.optimizer, state.step)  # the shapes to read into
         try:
             dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
-            state = merge(tensors, trainer["rest"])
+            loaded = merge(tensors, trainer["rest"])
             # This launch's optim.* values and kernels apply, not the checkpoint's (a change is said in _load).
-            with optim.own_settings(parts.optimizer):
-                set_state_dict(parts.raw, parts.optimizer, model_state_dict=state["model"],
-                               optim_state_dict=state["optimizer"])
+            with optim.own_settings(state.optimizer):
+                set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
+                               optim_state_dict=loaded["optimizer"])
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
@@ -397,23 +401,6 @@ class Checkpointer:
         self.log.info(f"resumed at step {step}: {what} ({names}) are set aside in {folder}, kept but no longer "
                       f"counted (retention, `latest`, resume=auto)")
 
-    def _agreed_candidates(self) -> tuple[list[Path], str | None]:
-        """Rank 0's decision (the checkpoints to try, or its usage error), the same on every rank: a node with
-        a stale listing of a shared folder must not pick another step."""
-        found: list = [None, None]
-        if self.rank == 0:
-            try:
-                decision = decide(self.cfg)
-                self.rollback = decision.rollback
-                found[0] = [str(p) for p in decision.candidates]
-                if self.cfg.resume != "never":
-                    self.log.info(decision.line(self.cfg.resume))
-            except ConfigError as e:
-                found[1] = str(e)
-        if self.world_size > 1:
-            dist.broadcast_object_list(found, src=0)
-        return [Path(p) for p in found[0] or []], found[1]
-
     def _agreed_problem(self, problem: str | None) -> str | None:
         """The first rank's problem with a checkpoint, the same on every rank (None: no rank has one)."""
         problems = [problem]
@@ -425,16 +412,17 @@ class Checkpointer:
                 return p + (f" (rank {rank})" if self.world_size > 1 else "")
         return None
 
-    def _load(self, parts, state: dict, path: Path, seconds: float) -> None:
-        """The trainer's state (trainer.pt), after the tensors."""
-        if parts.scaler.is_enabled() and not state["scaler"]:
+    def _load(self, train_state: TrainState, state: dict, path: Path, seconds: float) -> None:
+        """The rest of the run's state (trainer.pt: `state`), after the tensors."""
+        ts = train_state
+        if ts.scaler.is_enabled() and not state["scaler"]:
             was = state.get("config", {}).get("train", {}).get("precision", "fp32/bf16")
             self.log.warning(f"checkpoint {path} was trained in {was} (no loss scaler): train.precision=fp16 "
-                             f"starts a fresh GradScaler (scale {parts.scaler.get_scale():g})")
+                             f"starts a fresh GradScaler (scale {ts.scaler.get_scale():g})")
         else:
-            parts.scaler.load_state_dict(state["scaler"])  # a disabled scaler (fp32, bf16) ignores it
-        parts.step = int(state["step"])
-        parts.eval_pending = bool(state.get("eval_pending", False))
+            ts.scaler.load_state_dict(state["scaler"])  # a disabled scaler (fp32, bf16) ignores it
+        ts.step = int(state["step"])
+        ts.eval_pending = bool(state.get("eval_pending", False))
         data_state = state["data"]
         if data_state.get("seed", self.cfg.seed) != self.cfg.seed and not inside(path, self.cfg.run_dir):
             # A new run from another run's checkpoint (a fine-tune) may choose its own seed; a relaunch of this
@@ -442,21 +430,21 @@ class Checkpointer:
             self.log.warning(f"a new run from {path}, trained with seed={data_state['seed']}: from its data "
                              f"position on, this run's seed={self.cfg.seed} orders the data")
             data_state = data_state | {"seed": self.cfg.seed}
-        parts.stream.load_state_dict(data_state)
+        ts.data.load_state_dict(data_state)
         self.tracker_id = state.get("tracker", {}).get("run_id")
         if state["world_size"] == self.world_size:
-            set_rng_state(state["rng"][self.rank], parts.device)
+            set_rng_state(state["rng"][self.rank], ts.device)
             if "window" in state:  # this rank's loss sum since the last log step, bit for bit
                 window = state["window"][self.rank]
-                parts.window_loss.fill_(window["loss"])
-                parts.window_steps = int(window["steps"])
+                ts.window_loss.fill_(window["loss"])
+                ts.window_steps = int(window["steps"])
         else:
             seen = state["step"] * self.cfg.train.global_batch_size
             self.log.warning(f"world size changed from {state['world_size']} to {self.world_size}: continuing "
                              f"after {seen} samples seen, but no longer bitwise identical to an uninterrupted run")
-        self.log.info(f"resumed from {path} at step {parts.step} (epoch {parts.stream.epoch}, "
-                      f"{parts.stream.samples_in_epoch} samples into it) in {seconds:.2f} s")
-        if line := schedule_change(self.cfg, state.get("config") or {}, parts.step):
+        self.log.info(f"resumed from {path} at step {ts.step} (epoch {ts.data.epoch}, "
+                      f"{ts.data.samples_in_epoch} samples into it) in {seconds:.2f} s")
+        if line := schedule_change(self.cfg, state.get("config") or {}, ts.step):
             self.log.info(line)
 
 

@@ -274,11 +274,12 @@ def planner() -> DefaultSavePlanner:
     return DefaultSavePlanner(enable_plan_caching=True)
 
 
-def tensor_state(parts) -> tuple[dict, dict]:
+def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> tuple[dict, dict]:
     """The model's and optimizer's state as DCP takes it (torch.distributed.checkpoint.state_dict: parameter
-    names for keys, DTensors where the model is sharded): its tensors, and the rest (hyper-parameters)."""
-    with _nothing_to_create(parts.optimizer, parts.step):
-        model, optimizer = get_state_dict(parts.raw, parts.optimizer)
+    names for keys, DTensors where the model is sharded): its tensors, and the rest (hyper-parameters). `step`:
+    the optimizer steps done."""
+    with _nothing_to_create(optimizer, step):
+        model, optimizer = get_state_dict(model, optimizer)
     return split_state({"model": model, "optimizer": optimizer})
 
 

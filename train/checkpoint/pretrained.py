@@ -32,7 +32,7 @@ from train.checkpoint.dcp_io import Reader, error_text
 from train.checkpoint.resume import shapes, shapes_of, state_mismatch
 from train.checkpoint.storage import NAME, complete_checkpoints, fsync_dir, verify
 from train.errors import ConfigError, missing_path
-from train.task import HFModel, HFTensor, hf_config, is_hf_folder
+from train.hf_format import HFModel, HFTensor, hf_config, is_hf_folder
 
 KEY = "task.init_from"
 

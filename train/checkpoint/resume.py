@@ -1,7 +1,7 @@
-"""Which checkpoint a start resumes from: the decision (`decide`, on rank 0) and its table of cases
-(RESUME_CASES), which the code logs from and the tests read (tests/runs/test_resume.py). The checks that a
-checkpoint fits this run (another model, optimizer or config: `mismatch`, `config_diff`) are here too; the
-loading itself, with its fall back past corrupt checkpoints, is Checkpointer.resume.
+"""Which checkpoint a start resumes from: the decision (`agree`: made once a launch, by all ranks together)
+and its table of cases (RESUME_CASES), which the code logs from and the tests read. The checks that a
+checkpoint fits this run (another model, optimizer or config: `state_mismatch`, `config_diff`) are here too;
+the loading itself, with its fall back past corrupt checkpoints, is Checkpointer.resume.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from train.checkpoint.storage import (
@@ -25,64 +26,64 @@ from train.checkpoint.storage import (
 from train.config import Config, to_dict
 from train.errors import ConfigError, missing_path
 
-# What a start does with the checkpoints it finds: every case, once. `decide` picks the case and its candidates
+# What a start does with the checkpoints it finds: every case, once. `agree` picks the case and its candidates
 # (the case's words are its log line), Checkpointer.resume tries them; check_fresh_start guards resume=never.
 # Each case names the tests that show it (tests/quick/test_resume.py::test_the_resume_table_names_real_tests keeps
 # them real): a case is added here with its test.
 RESUME_CASES = {
     "auto, no checkpoint": (
         "a fresh run from step 0",
-        ["runs/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
+        ["processes/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact"]),
     "auto, the run's own checkpoints": (
         "the newest complete one (not newer than `latest`), bitwise as an uninterrupted run",
-        ["runs/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
-         "runs/test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
+        ["processes/test_resume.py::test_sigterm_to_torchrun_mid_epoch_then_resume_is_bitwise_exact",
+         "processes/test_resume.py::test_relaunching_a_finished_run_changes_nothing"]),
     "auto, step folders without a manifest": (
         "tried in their turn as corrupt ones: a copy that lost its manifest.json is set aside (kept, never "
         "overwritten or deleted) once an older one loads, and refused (exit 2) with every folder kept if none does",
-        ["runs/test_resume.py::test_step_folders_without_a_manifest_are_never_overwritten_or_deleted"]),
+        ["processes/test_resume.py::test_step_folders_without_a_manifest_are_never_overwritten_or_deleted"]),
     "auto, a finished run whose checkpoints are gone": (
         "refused (exit 2): its summary.json says it ran, and starting over would redo it and overwrite its record",
-        ["runs/test_resume.py::test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again"]),
+        ["processes/test_resume.py::test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_again"]),
     "auto, the newest corrupt (any rank's share)": (
         "one warning each, all ranks fall back to the newest that loads; the newer ones are set aside",
-        ["runs/test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
-         "runs/test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
-         "runs/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+        ["processes/test_resume.py::test_corrupt_latest_falls_back_to_the_previous",
+         "processes/test_checkpoint_format.py::test_a_flipped_byte_in_rank_1s_shard_falls_back_in_one_line_on_every_rank",
+         "processes/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
     "auto, none loads": (
         "refused (exit 2) with the newest one's problem and the ways out; every checkpoint stays, nothing trained",
-        ["runs/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+        ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
     "another model or optimizer": (
         "refused (exit 2), naming the config keys and tensors that differ; nothing is written",
-        ["runs/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+        ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
     "another world size or strategy (DDP, FSDP)": (
         "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
-        ["runs/test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
-         "uninterrupted_run", "runs/test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
+        ["processes/test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
+         "uninterrupted_run", "processes/test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
     "another seed": (
         "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
-        ["runs/test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
-         "runs/test_resume.py::test_resume_from_a_path"]),
+        ["processes/test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",
+         "processes/test_resume.py::test_resume_from_a_path"]),
     "an earlier format (one .pt file)": (
         "refused (exit 2) with the `python -m train.checkpoint --convert` command, which converts it",
-        ["runs/test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
-         "runs/test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
+        ["processes/test_checkpoint_format.py::test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted",
+         "processes/test_compat.py::test_a_checkpoint_of_42fd791_converts_and_resumes_bitwise"]),
     "the previous release's checkpoint": (
         "resumes bitwise as an uninterrupted run of this release",
-        ["runs/test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
+        ["processes/test_compat.py::test_the_previous_releases_checkpoint_resumes_bitwise"]),
     "PATH, the run directory holds none of its own": (
         "a new run (a branch, a fine-tune) from PATH; refused (exit 2) if nothing there loads",
-        ["runs/test_resume.py::test_resume_from_a_path",
-         "runs/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
+        ["processes/test_resume.py::test_resume_from_a_path",
+         "processes/test_resume.py::test_a_checkpoint_that_passes_its_crc_but_does_not_load_is_skipped_and_never_executed"]),
     "PATH, the run directory holds its own": (
         "a relaunch: continues from its own as auto does, PATH last",
-        ["runs/test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
+        ["processes/test_resume.py::test_a_relaunched_branch_continues_from_its_own_checkpoints_not_from_resume_path"]),
     "PATH inside the run directory": (
         "a rollback, once: the later checkpoints are set aside, the saves after it record it",
-        ["runs/test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
+        ["processes/test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
     "never": (
         "a fresh run from step 0; refused (exit 2) where the run directory holds a run: nothing is overwritten",
-        ["runs/test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
+        ["processes/test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
 }
 
 
@@ -96,11 +97,31 @@ class Decision:
         return f"resume={resume}: {self.case}: {RESUME_CASES[self.case][0]}"
 
 
+def agree(cfg: Config, rank: int, world_size: int) -> Decision:
+    """The launch's one resume decision, the same on every rank, made before anything is built: what the build
+    leaves uninitialized (a resume overwrites it) and what Checkpointer.resume tries follow from it alone.
+
+    The candidates come from the run's checkpoint folder, listed by rank 0: a folder every node shares, where a
+    node with a stale listing must not pick another step. A usage error (ConfigError) is raised on every rank.
+    Which candidate loads is agreed later, checkpoint by checkpoint, over every rank's share of its files."""
+    found: list = [None, None]  # the decision, or the error that refuses the start
+    if rank == 0:
+        try:
+            found[0] = decide(cfg)
+        except ConfigError as e:
+            found[1] = str(e)
+    if world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise ConfigError(found[1])
+    return found[0]
+
+
 def decide(cfg: Config) -> Decision:
-    """The resume decision, on rank 0 (Checkpointer.resume sends it to the others). resume=PATH is where a
-    new run starts; once this run directory holds complete checkpoints of its own, the same command line
-    relaunched (a requeue, a torchrun or pod restart) continues from them as resume=auto does, PATH last. A
-    PATH inside this run directory rolls the run back to it, once: the saves after the rollback carry PATH
+    """The resume decision over this process's listing of the run directory (`agree` shares rank 0's).
+    resume=PATH is where a new run starts; once this run directory holds complete checkpoints of its own, the same
+    command line relaunched (a requeue, a torchrun or pod restart) continues from them as resume=auto does, PATH
+    last. A PATH inside this run directory rolls the run back to it, once: the saves after the rollback carry PATH
     in their manifest, and a relaunch continues from those. A usage error is a ConfigError."""
     folder = cfg.run_dir / "checkpoints"
     if cfg.resume == "never":  # check_fresh_start refused a run directory that holds a run

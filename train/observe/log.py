@@ -52,6 +52,7 @@ class RunLog:
         self.unit = unit  # the task's unit of throughput: the console shows <unit>/s
         self.lcfg = cfg.log if cfg is not None else LogConfig()
         self.total_steps = cfg.train.steps if cfg is not None else None
+        self.every = cfg.train.log_every if cfg is not None else 1  # a log step every train.log_every steps
         self.tracker: Tracker | None = None
         self.bar = None
         self._windows, self._quiet_until = 0, 0
@@ -91,6 +92,10 @@ class RunLog:
                 f.write(json.dumps(record | {"time": round(time.time(), 3)}) + "\n")
 
     # ---- training progress
+    def due(self, step: int) -> bool:
+        """Whether step `step` is a log step: every train.log_every steps, and the run's last."""
+        return step % self.every == 0 or step == self.total_steps
+
     def advance(self, step: int) -> None:
         """After every optimizer step: moves rank 0's progress bar, if it has one."""
         if not self.is_main:

@@ -111,22 +111,23 @@ class StepMeter:
         self._reset()
 
     @classmethod
-    def build(cls, cfg, parts, rank: int) -> StepMeter:
-        """The meter of a run: FLOPs and peak only on GPUs (MFU is omitted on CPU), the profiler if asked."""
+    def build(cls, cfg, rank: int, world_size: int, device: torch.device, task, model: torch.nn.Module,
+              eval_loader, log, step: int) -> StepMeter:
+        """The meter of a run from `step` on: FLOPs and peak only on GPUs (MFU is omitted on CPU), counted on two
+        evaluation samples; the profiler if asked."""
         flops = peak = None
-        if parts.device.type == "cuda":
-            peak = peak_flops(torch.cuda.get_device_name(parts.device), cfg.train.precision, cfg.train.tf32)
+        if device.type == "cuda":
+            peak = peak_flops(torch.cuda.get_device_name(device), cfg.train.precision, cfg.train.tf32)
             try:
                 from train.parallel.data import to_device
 
-                sample = parts.eval_loader.collate_fn([parts.eval_loader.dataset[k] for k in [(0, 0), (1, 0)]])
-                flops = flops_per_sample(parts.task, parts.raw, to_device(parts, sample))
+                sample = eval_loader.collate_fn([eval_loader.dataset[k] for k in [(0, 0), (1, 0)]])
+                flops = flops_per_sample(task, model, to_device(sample, device, cfg.train.channels_last))
             except Exception as e:  # an estimate is not worth a failed run
-                parts.log.warning(f"FLOPs not counted ({type(e).__name__}: {e}); no MFU")
-        prof = Profiler(cfg, rank, parts.step) if cfg.profile.enabled else None
-        samples = sum(cfg.micro_batches(parts.world_size))
-        return cls(parts.device, parts.world_size, samples, flops, peak, prof, parts.task.unit,
-                   parts.task.units_per_sample())
+                log.warning(f"FLOPs not counted ({type(e).__name__}: {e}); no MFU")
+        prof = Profiler(cfg, rank, step) if cfg.profile.enabled else None
+        samples = sum(cfg.micro_batches(world_size))
+        return cls(device, world_size, samples, flops, peak, prof, task.unit, task.units_per_sample())
 
     def start(self) -> None:
         """All ranks start timing together (collective): rank 0's start-up work (W&B) is not a wait."""

@@ -237,15 +237,14 @@ def loaders(cfg: Config, train_set: Dataset, eval_set: Dataset, rank: int, world
     return TrainStream(train, sampler, world_size, sizes), evaluation
 
 
-def to_device(parts, batch):
-    """A collated batch (tensors, or tuples, lists and dicts of them) on the device of `parts` (the trainer's
-    Parts); images (4-D tensors, floats or uint8 pixels) in channels_last when train.channels_last is set."""
+def to_device(batch, device: torch.device, channels_last: bool = False):
+    """A collated batch (tensors, or tuples, lists and dicts of them) on `device`; images (4-D tensors, floats or
+    uint8 pixels) in channels_last where asked (train.channels_last)."""
     if torch.is_tensor(batch):
-        fmt = (torch.channels_last if parts.cfg.train.channels_last and batch.dim() == 4
-               else torch.contiguous_format)
-        return batch.to(parts.device, non_blocking=True, memory_format=fmt)
+        fmt = torch.channels_last if channels_last and batch.dim() == 4 else torch.contiguous_format
+        return batch.to(device, non_blocking=True, memory_format=fmt)
     if isinstance(batch, dict):
-        return {k: to_device(parts, v) for k, v in batch.items()}
+        return {k: to_device(v, device, channels_last) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(parts, v) for v in batch)
+        return type(batch)(to_device(v, device, channels_last) for v in batch)
     return batch

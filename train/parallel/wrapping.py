@@ -34,6 +34,12 @@ from train.config import Config, ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast(cfg: Config, device: torch.device):
+    """Where the task's forward and loss run: autocast to train.precision (off in fp32)."""
+    p = cfg.train.precision
+    return torch.autocast(device.type, dtype=DTYPES[p], enabled=p != "fp32")
+
+
 def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module:
     """The model as it trains: DDP(model) (one process: `model` itself), or `model` itself, sharded in place by
     fully_shard (FSDP2).

@@ -33,7 +33,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.task import HFModel, HFTensor, Task, beside_weights, hf_config, is_hf_folder
+from train.hf_format import HFModel, HFTensor, beside_weights, hf_config, is_hf_folder
+from train.task import Task
 from train.tasks import gpt_model, shards
 from train.tasks.gpt_model import GPT, PRESETS, GPTConfig, preset
 

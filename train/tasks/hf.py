@@ -35,7 +35,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.task import HFModel, HFTensor, Task, beside_weights, hf_config
+from train.hf_format import HFModel, HFTensor, beside_weights, hf_config
+from train.task import Task
 from train.tasks import shards
 
 KEY = "task.path"

@@ -202,10 +202,10 @@ def test_a_bug_in_the_training_step_ends_the_run_with_its_traceback_not_a_hang(t
     which ignore its SIGTERM, for ever."""
     env = after_import(tmp_path, "train.trainer", """
 real = module.train_step
-def train_step(parts, *args, **kwargs):
-    if parts.step == 2:
+def train_step(training, *args, **kwargs):
+    if training.state.step == 2:
         raise RuntimeError("boom: a bug in the user's model")
-    return real(parts, *args, **kwargs)
+    return real(training, *args, **kwargs)
 module.train_step = train_step
 """)
     proc = run_train(tmp_path / "run", "data.num_workers=1", "data.persistent_workers=true", expect=None, env=env,

@@ -4,7 +4,7 @@ of them (the initial weights, the data or its augmentation, the sampler, the opt
 over ranks) fails here, so that numbers move only on purpose. When they are meant to move, write the file again
 and commit it with the change:
 
-    GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/runs/test_golden.py
+    GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/processes/test_golden.py
 
 Both runs use the same CPU kernels on every x86-64 machine (conftest.SAME_KERNELS): with each machine's own vector
 kernels, the ResNet's losses on two machines were 2e-2 apart at step 6. RTOL rather than bits leaves room for
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, SAME_KERNELS, clean_env, metrics, run_train
-from tests.runs.test_lm_train import run_lm
+from tests.processes.test_lm_train import run_lm
 
 GOLDEN = ROOT / "tests" / "golden.json"
 RTOL = 1e-4
@@ -73,7 +73,7 @@ def test_the_first_losses_of_the_resnet_and_the_language_model_are_the_golden_on
         assert flat(got[name]) == pytest.approx(flat(golden[name]), rel=RTOL), (
             f"the {name}'s numbers are not the golden ones (torch {torch.__version__}; the file's: {golden['torch']}, "
             f"kernels {golden.get('kernels')}). "
-            f"If the change meant to move them: GOLDEN_UPDATE=1 pytest tests/runs/test_golden.py, and commit "
+            f"If the change meant to move them: GOLDEN_UPDATE=1 pytest tests/processes/test_golden.py, and commit "
             f"tests/golden.json.\nnow:    {got[name]}\ngolden: {golden[name]}")
 
 

@@ -128,9 +128,9 @@ def test_ctrl_c_to_python_m_train_saves_and_exits_75(tmp_path):
 SIGNAL_AFTER_STEP = """
 import os, signal
 real = module.train_step
-def train_step(parts, *a, **k):
-    loss = real(parts, *a, **k)
-    if parts.step == int(os.environ["SIGNAL_AT"]) and os.environ.get("RANK", "0") == "0":
+def train_step(training, *a, **k):
+    loss = real(training, *a, **k)
+    if training.state.step == int(os.environ["SIGNAL_AT"]) and os.environ.get("RANK", "0") == "0":
         os.kill(os.getpid(), signal.SIGTERM)
     return loss
 module.train_step = train_step
@@ -220,7 +220,8 @@ def _stop_slowly(run_dir: Path, launcher: tuple, frozen_s: float, also_torchrun:
     return rc, out, err, time.time() - t
 
 
-# A stop slower than torchrun's own timeout, within the launcher's larger budget: tests/runs/test_torch_range.py (on every
+# A stop slower than torchrun's own timeout, within the launcher's larger budget: tests/processes/test_torch_range.py
+# (on every
 # torch of the range, whether its torchrun takes --shutdown-timeout or not).
 
 

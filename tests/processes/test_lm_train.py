@@ -1,6 +1,7 @@
 """The language model through the trainer, on real ranks: bf16 with accumulation, a stop and a bitwise resume
 mid-epoch. (The windows a world-size change reads are the sampler's, the same for every task:
-tests/runs/test_checkpoint_format.py. A malformed shard is one line naming it: tests/runs/test_lm.py; such an error found by
+tests/processes/test_checkpoint_format.py. A malformed shard is one line naming it: tests/processes/test_lm.py; such an
+error found by
 the workers is exit 2 once, not retried, as test_launcher.py's usage errors are.)"""
 
 from __future__ import annotations

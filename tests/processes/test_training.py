@@ -197,9 +197,9 @@ for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__ind
 torch.tensor = counted("torch.tensor(device=)", torch.tensor, lambda a, k: k.get("device") is not None)
 torch.cuda.synchronize = counted("torch.cuda.synchronize", torch.cuda.synchronize)
 real_step = module.train_step
-def train_step(parts, *a, **k):
-    step[0] = parts.step + 1
-    return real_step(parts, *a, **k)
+def train_step(training, *a, **k):
+    step[0] = training.state.step + 1
+    return real_step(training, *a, **k)
 module.train_step = train_step
 """
 STEPS, LOG_EVERY, EVAL_EVERY, SAVE_EVERY = 12, 4, 6, 5
@@ -250,10 +250,10 @@ def show(message, category, filename, lineno, file=None, line=None):
 warnings.showwarning = show
 warnings.filterwarnings("always", message=".*synchroniz")
 real_step = module.train_step
-def train_step(parts, *a, **k):
-    step[0] = parts.step + 1
+def train_step(training, *a, **k):
+    step[0] = training.state.step + 1
     torch.cuda.set_sync_debug_mode("warn")
-    return real_step(parts, *a, **k)
+    return real_step(training, *a, **k)
 module.train_step = train_step
 """
 

@@ -1,0 +1,235 @@
+"""Models built on the meta device, and weights in and out: task.init_from (a local Hugging Face folder or
+another run's checkpoint) and `python -m train.export --format hf`, with the built-in GPT and tiny random
+GPT-2 folders that the tests save themselves (tests/hf_models.py; nothing is downloaded)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PY, ROOT, clean_env, latest_state, metrics
+from tests.procs import finish, stop_at
+from tests.quick.test_pretrained import gpt_from, hf_models
+
+# The built-in GPT from a tiny GPT-2 folder (vocabulary 100, padded to 128 rows; 64 positions), on the built-in
+# corpus (64 tokens), in windows of 32: seconds per run.
+LM = ["--config", "configs/gpt.yaml", "task.seq_len=32", "task.train_tokens=20000", "task.eval_tokens=4096",
+      "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1", "train.eval_every=0",
+      "optim.warmup_steps=2", "data.num_workers=0", "log.wandb.mode=disabled", "log.report=false"]
+
+
+def _launch(run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
+    cmd = [PY, "-m", "train.launch", f"--nproc-per-node={nproc}", "--", *LM, f"run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(tmp_path):
+    """task.init_from a GPT-2 folder, 2 ranks FSDP: a run stopped by SIGTERM and relaunched ends bit for bit where
+    the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); under DDP the
+    same first loss and weights within 1% of how far training moved them; the export loads in transformers
+    with the trained model's logits; bf16 export too."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    opts = [f"task.init_from={folder}", "dist.strategy=fsdp", "train.steps=8", "checkpoint.every=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    rc, out, err = finish(_launch(ref, *opts))
+    assert rc == 0, err[-3000:]
+    assert f"task.init_from={folder}: the first step starts from the weights of the Hugging Face model" in out + err
+    first = next(m["loss"] for m in metrics(ref) if "loss" in m)
+    assert first < 4.9, first  # GPT-2's random weights: about ln(128); not the 0.02-init of a fresh model
+    hf_init = gpt_from(folder).state_dict()
+
+    stop_at(_launch(run, *opts), run, 3)
+    rc, out, err = finish(_launch(run, *opts))
+    assert rc == 0, err[-3000:]
+    assert "the first step starts from the weights" not in out + err  # its own checkpoint came first
+    a, b = latest_state(ref), latest_state(run)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+
+    ddp = tmp_path / "ddp"  # the same fine-tune under DDP: the same weights loaded, the same training
+    rc, out, err = finish(_launch(ddp, *[o for o in opts if o != "dist.strategy=fsdp"], "dist.strategy=ddp"))
+    assert rc == 0, err[-3000:]
+    assert next(m["loss"] for m in metrics(ddp) if "loss" in m) == pytest.approx(first, rel=1e-6)
+    for k, v in latest_state(ddp)["model"].items():
+        moved = (a["model"][k] - hf_init[k]).norm() if k in hf_init else v.norm()
+        assert (v - a["model"][k]).norm() <= 0.01 * moved + 1e-6, k
+
+    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    exported = ref / "export" / "step_00000008-hf"
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["vocab_size"] == 100
+    trained = gpt_from(folder)
+    trained.load_state_dict(a["model"])
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = trained(tokens)[..., :100]
+    theirs = hf_models.logits_of(exported, tokens)
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
+    assert not torch.allclose(theirs, hf_models.logits_of(folder, tokens), atol=1e-3)  # trained: moved
+
+    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf", "--dtype", "bf16", "--out",
+                           str(tmp_path / "bf16")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (hf_models.logits_of(tmp_path / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
+
+
+# A GPT-2 folder the built-in GPT would load into other numbers than transformers computes: refused, with why
+OTHERWISE = {
+    "untied": ({"tie_word_embeddings": False}, "is a GPT-2 with an output layer of its own (tie_word_embeddings: "
+                                               "false, its lm_head.weight), and the built-in GPT ties it"),
+    "layer_norm_epsilon": ({"layer_norm_epsilon": 1e-3}, "computes otherwise than the built-in GPT "
+                                                         "(layer_norm_epsilon: 0.001;"),
+    "scale_attn_weights": ({"scale_attn_weights": False}, "computes otherwise than the built-in GPT "
+                                                          "(scale_attn_weights: false;"),
+}
+
+
+@pytest.mark.parametrize("case", ["no config.json", "a llama folder", "another vocabulary", "not a model", "missing",
+                                  *OTHERWISE, "fp8 with its quantization_config", "fp8 weights alone"])
+def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case):
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2", **OTHERWISE.get(case, ({},))[0])
+    overrides = [f"task.init_from={folder}"]
+    if case in OTHERWISE:
+        words = OTHERWISE[case][1]
+    elif case == "fp8 with its quantization_config":
+        hf_models.fp8(folder)
+        words = "holds a quantized model (fp8 in its config.json), whose weights mean nothing without their scales"
+    elif case == "fp8 weights alone":
+        hf_models.fp8(folder, scales=False)
+        words = "transformer.wte.weight is stored as float8_e4m3fn, not as float32, bfloat16 or float16"
+    elif case == "no config.json":
+        (folder / "config.json").unlink()
+        words = "has no config.json"
+    elif case == "a llama folder":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama",
+                                                                 "architectures": ["LlamaForCausalLM"]}))
+        words = "holds a llama (LlamaForCausalLM), and the built-in GPT loads GPT-2 folders"
+    elif case == "another vocabulary":
+        overrides.append("task.vocab_size=64")  # 64 rows; the folder has 100
+        words = "transformer.wte.weight has the shape [100, 32], the model's transformer.wte.weight needs [64, 32]"
+    elif case == "missing":
+        overrides = [f"task.init_from={tmp_path / 'nowhere'}"]
+        words = (f"task.init_from: {tmp_path / 'nowhere'} does not exist: check the path (a Hugging Face model folder, "
+                 "or a run directory or checkpoint folder of this project, on this machine: nothing is downloaded)")
+    else:
+        overrides = [f"task.init_from={tmp_path}"]
+        words = "is neither a Hugging Face model folder (config.json and *.safetensors) nor a run directory"
+    proc = subprocess.run([PY, "-m", "train", *LM, f"run.dir={tmp_path / 'run'}", "train.steps=2", *overrides],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert words in lines[-1] and lines[-1].startswith("error: task.init_from"), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _build(tmp_path: Path, name: str, *args: str) -> dict:
+    """bench/build_memory.py: the trainer's build on real ranks; its figures (and --save's weights)."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([PY, "bench/build_memory.py", "--only", "meta", "--json", str(out), *args], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path):
+    """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP and
+    3 ranks under FSDP (shards of unequal sizes) start from the same bits, so comparing FSDP with DDP, or
+    one world size with another, still compares like with like."""
+    weights = {}
+    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-3", 3, "fsdp")):
+        _build(tmp_path, name, f"--nproc={nproc}", f"--strategy={strategy}", "--layers=2", "--embd=64",
+               "--save", str(tmp_path / f"{name}.pt"))
+        weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    ref = weights["ddp-1"]
+    for name, w in weights.items():
+        assert w.keys() == ref.keys(), name
+        for k in ref:
+            assert torch.equal(w[k], ref[k]), f"{name}: {k} differs from one rank's"
+    fc = ref["transformer.h.0.mlp.c_fc.weight"]
+    assert not torch.equal(fc[: len(fc) // 2], fc[len(fc) // 2:])  # no rank repeats another's rows
+    assert abs(fc.std().item() - 0.02) < 0.002 and torch.equal(ref["transformer.h.0.ln_1.weight"],
+                                                              torch.ones(64))
+
+
+def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tmp_path):
+    """A 200M-parameter GPT (770 MiB of fp32 weights, M) under FSDP on 2 ranks: each rank's peak RSS while the
+    trainer builds it stays under M / 2 plus a constant, where a model built whole on each rank's CPU costs
+    every rank M. The constant is measured: what the same build of a tiny model costs (the modules FSDP
+    imports at its first use, 120 MiB here), plus 128 MiB for one whole tensor while it is initialized and
+    the allocator's slack (measured: 40)."""
+    small = _build(tmp_path, "small", "--nproc=2", "--strategy=fsdp", "--layers=2", "--embd=64")
+    big = _build(tmp_path, "big", "--nproc=2", "--strategy=fsdp", "--layers=16", "--embd=1024")
+    m = big["build_model_mib"]
+    assert 700 < m < 900, m
+    assert big["build_peak_mib_meta"] < m / 2 + small["build_peak_mib_meta"] + 128, (big, small)
+
+
+def test_an_empty_init_from_is_no_folder_even_where_the_working_directory_holds_a_model(tmp_path):
+    """task.init_from= (empty) is the model's own init: launched from a folder holding another model's config.json,
+    the built-in GPT neither refuses it nor takes its sizes."""
+    hf_models.tiny_llama(tmp_path, tokenizer=False)  # config.json and model.safetensors in the working directory
+    proc = subprocess.run([PY, "-m", "train", "--config", str(ROOT / "configs/gpt.yaml"), *LM[2:],
+                           f"run.dir={tmp_path / 'run'}", "train.steps=1", "task.init_from="],
+                          cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model: 805,632 parameters" in proc.stdout, proc.stdout[-3000:]  # the tiny preset, 64 tokens
+
+
+def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(tmp_path):
+    """The sizes read from task.init_from's config.json are recorded in the run (config.yaml, the checkpoints'
+    config): the same command relaunched after the folder moved resumes, and the run exports."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2", positions=48)  # 48 positions: the tiny preset has 128
+    cmd = [PY, "-m", "train", *LM, f"run.dir={tmp_path / 'run'}", f"task.init_from={folder}", "checkpoint.every=2"]
+    proc = subprocess.run([*cmd, "train.steps=2"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder.rename(tmp_path / "moved")
+    proc = subprocess.run([*cmd, "train.steps=4"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4]
+    proc = subprocess.run([PY, "-m", "train.export", str(tmp_path / "run"), "--format", "hf", "--out",
+                           str(tmp_path / "hf")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["n_positions"], config["n_layer"], config["vocab_size"]) == (48, 2, 100)
+
+
+def test_a_launch_draws_no_init_for_what_a_checkpoint_or_init_from_fills(tmp_path):
+    """The random init of a tensor that the launch then loads whole is skipped: a run from a GPT-2 folder draws only
+    the embedding (its padding rows, 28 of 128, are in no file), its relaunch resuming a checkpoint draws nothing,
+    a fresh run draws every tensor. The resumed run ends where the uninterrupted one does."""
+    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
+    task = f"task.name={ROOT / 'tests' / 'init_log_task.py'}:LoggedInit"
+    log = tmp_path / "init.log"
+
+    def launch(run: str, *overrides: str) -> list[str]:
+        log.write_text("")
+        proc = subprocess.run([PY, "-m", "train", *LM, task, f"run.dir={tmp_path / run}", "checkpoint.every=2",
+                               *overrides], cwd=ROOT, env=clean_env(INIT_LOG=str(log)), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return log.read_text().split()
+
+    from train import config
+
+    cfg = config.load("configs/gpt.yaml", LM[2:])
+    every = [n for n, _ in cfg.task_class(cfg.task, cfg.seed).model().named_parameters()]
+    assert len(every) == 52 and launch("fresh", "train.steps=1") == every
+    assert launch("run", f"task.init_from={folder}", "train.steps=2") == ["transformer.wte.weight"]
+    assert launch("run", f"task.init_from={folder}", "train.steps=4") == []
+    assert launch("ref", f"task.init_from={folder}", "train.steps=4") == ["transformer.wte.weight"]
+    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "run")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
