@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from train.config import Config, ConfigError
-from train.parallel.shipping import WorkerContext
+from train.parallel.worker_args import WorkerContext
 from train.stops.signals import ignore_stop_signals
 from train.task import default_collate
 
@@ -193,8 +193,8 @@ def worker_context():
 
     The cost: a worker's arguments are pickled, the dataset among them (and a task's own collate, the task with
     it); its tensors go through shared memory (moved there once, then passed as file descriptors; thousands of
-    small ones packed into one block: train/parallel/shipping.py), an ImageFolder's file list is copied."""
-    ctx = WorkerContext()  # forkserver's, its arguments shipped whatever number of tensors they hold
+    small ones packed into one block: train/parallel/worker_args.py), an ImageFolder's file list is copied."""
+    ctx = WorkerContext()  # forkserver's, its arguments sent whatever number of tensors they hold
     ctx.set_forkserver_preload(["train.parallel.loader_server", "train.parallel.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
     # started once per process; a fork server that died (SIGKILL) is started again at the next worker.
