@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from train.stops.signals import every_stop_signal
+from train.stops.signals import all_stop_signals
 
 # Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and QUIT
 # on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
-STOP_SIGNALS = every_stop_signal()
+STOP_SIGNALS = all_stop_signals()
 
 
 class Stopped(Exception):
