@@ -8,7 +8,8 @@ which torchrun imports next anyway, so a launch imports torch once on its way to
 waits for the rendezvous host imports torch to probe it, and checks every key itself before it waits.)
 
 The stop budget holds on every supported torch: where this torchrun does not know --shutdown-timeout (torch
-2.11's), the option is taken out of its arguments and its agent is given the budget here instead (stop_budget).
+2.11's), the option is taken out of its arguments and its agent is given the budget here instead
+(apply_stop_budget).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def main(argv: list[str]) -> int | None:
             return EXIT_USAGE
         from torch.distributed.run import main as torchrun
 
-        argv = stop_budget(argv)
+        argv = apply_stop_budget(argv)
     return torchrun(argv)
 
 
-def stop_budget(argv: list[str]) -> list[str]:
+def apply_stop_budget(argv: list[str]) -> list[str]:
     """torchrun's arguments, less --shutdown-timeout=N where this torchrun does not accept it; then its agent
     closes the workers within N seconds all the same (torch 2.11's passes no timeout to its PContext.close, whose
     default is a fixed 30 s, where 2.14's passes --shutdown-timeout)."""
