@@ -23,7 +23,7 @@ from tests.conftest import OBSERVED, PACED, PY, ROOT, clean_env, latest_state, m
 from train import config
 from train.config import ConfigError
 from train.observe import metrics as meter
-from train.observe import report
+from train.observe import report_writer
 
 STEP_LINE = re.compile(r"step \d+/\d+")
 BAR = re.compile(r"\d+/\d+ \[\d\d:\d\d<")  # tqdm: " 3/6 [00:01<00:02, 1.52step/s, loss ...]"
@@ -291,7 +291,7 @@ def assert_report(run_dir: Path) -> None:
         img.verify()
     with Image.open(png) as img:
         assert img.format == "PNG" and img.size == (1000, 700)
-        unit = "images" if any("images_per_s" in r for r in report.load(run_dir)[0]) else "samples"
+        unit = "images" if any("images_per_s" in r for r in report_writer.load(run_dir)[0]) else "samples"
         assert img.text["Description"] == f"panels: loss, eval accuracy, learning rate, throughput ({unit}/s)"
         rgb = img.convert("RGB")
         w, h = rgb.size
@@ -327,8 +327,8 @@ def test_report_cli_on_any_run_dir_and_one_line_errors(tmp_path):
 
 def test_report_of_a_run_without_steps_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
-    with pytest.raises(report.ReportError, match="no training steps yet"):
-        report.write(tmp_path)
+    with pytest.raises(report_writer.ReportError, match="no training steps yet"):
+        report_writer.write(tmp_path)
 
 
 # ---------------------------------------------------------------- configuration and MFU arithmetic
