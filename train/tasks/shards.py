@@ -52,11 +52,6 @@ MASK = ".mask"  # the loss mask beside a shard: uint8 a token
 COUNTS, STARTS = 1, 2  # a mask byte's bits: the token counts in the loss (as a target); a conversation starts
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest token type llm.c has for a vocabulary: uint16 up to 65536 tokens, else uint32."""
-    return TOKEN if vocab_size <= 2**16 else TOKEN32
-
-
 @dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
 class Shard:
     """Where a shard's tokens are: `count` tokens of type `dtype` from byte `offset` of `path`, or an in-memory
