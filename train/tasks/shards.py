@@ -184,7 +184,7 @@ def _write_cache(folder: Path, entries: dict) -> None:
 
 def token_max(shards: list[Shard]) -> list[int]:
     """The largest token id of each shard (-1: empty): from the cache where the file's size and modification
-    time are those it was computed for, else one pass over its memory map (~0.1 s per 100M tokens), kept."""
+    time are those it was computed for, else one pass over its memory map, kept."""
     out: list[int] = []
     fresh: dict[Path, dict] = {}
     caches: dict[Path, dict] = {}
