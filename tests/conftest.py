@@ -207,10 +207,9 @@ def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
 
-# The image's files in the order they are handed out, the longest first, so that the worker that runs two of them
-# ends with the shortest: test_container.py about two minutes (torch.compile's kernels one of them),
-# test_compose.py one, test_image.py a quarter of one. (Alphabetically, the worker that took test_compose.py
-# then ran test_image.py with the compile test, while the other one idled for 80-90 s.) A new one goes last.
+# The image's files in the order they are handed out, the longest first (test_container.py compiles kernels), so
+# that the worker that runs two of them ends with the shortest and neither waits idle for the other. A new one
+# goes last.
 IMAGE_FILES = ("test_container.py", "test_compose.py", "test_image.py")
 
 

@@ -42,6 +42,6 @@ LAUNCH_ID_VAR = "TRAIN_LAUNCH_ID"  # the id train/launch/launcher.py gives each 
 
 def say(line: str) -> None:
     """One line to stderr in one write: the ranks of a node share their stderr (torchrun's), and print()'s
-    separate writes of the text and its newline let two ranks' lines run into one (seen in CI)."""
+    separate writes of the text and its newline let two ranks' lines run into one."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()

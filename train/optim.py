@@ -23,7 +23,7 @@ def build(cfg: OptimConfig, model: nn.Module, loss_scaling: bool = False) -> tor
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # optim.fused: one kernel for all parameters' update (GPUs); otherwise torch's default, foreach kernels on
-    # a GPU and one parameter at a time on the CPU (what CPU runs always did: their numbers are unchanged).
+    # a GPU and one parameter at a time on the CPU.
     # Not SGD with momentum under loss scaling: torch's fused SGD (2.11 to 2.15 at least) advances its momentum on a
     # step the GradScaler skips (an overflow, routine in fp16's first steps), and the weights turn NaN a step later;
     # fused AdamW leaves its state alone on such a step. (config.validate refuses optim.fused=true there.)

@@ -20,8 +20,8 @@ import pytest
 from tests.conftest import PACED, PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
 from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
 from tests.small_task import gate_reached
+from train.launch.forwarding import alive
 from train.launch.passthrough import Passthrough
-from train.launch.signals import alive
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
 

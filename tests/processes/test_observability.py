@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from tests.conftest import OBSERVED, PACED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
-from train.observe import report
+from train.observe import report_writer
 
 STEP_LINE = re.compile(r"step \d+/\d+")
 
@@ -278,7 +278,7 @@ def assert_report(run_dir: Path) -> None:
         img.verify()
     with Image.open(png) as img:
         assert img.format == "PNG" and img.size == (1000, 700)
-        unit = "images" if any("images_per_s" in r for r in report.load(run_dir)[0]) else "samples"
+        unit = "images" if any("images_per_s" in r for r in report_writer.load(run_dir)[0]) else "samples"
         assert img.text["Description"] == f"panels: loss, eval accuracy, learning rate, throughput ({unit}/s)"
         rgb = img.convert("RGB")
         w, h = rgb.size

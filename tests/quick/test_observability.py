@@ -6,13 +6,13 @@ import pytest
 from train import config
 from train.config import ConfigError
 from train.observe import metrics as meter
-from train.observe import report
+from train.observe import report_writer
 
 
 def test_report_of_a_run_without_steps_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
-    with pytest.raises(report.ReportError, match="no training steps yet"):
-        report.write(tmp_path)
+    with pytest.raises(report_writer.ReportError, match="no training steps yet"):
+        report_writer.write(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from train.checkpoint.storage import TRAINER, verify
 
-# How an asynchronous save runs DCP's write: a thread of each rank (measured against a process by
-# bench/checkpoint.py: it blocks training less here).
+# How an asynchronous save runs DCP's write: a thread of each rank, which blocks training less than a process
+# (docs/dev/benchmark-studies.md).
 ASYNC_TYPE = dcp.state_dict_saver.AsyncCheckpointerType.THREAD
 
 
@@ -60,8 +60,8 @@ class CrcWriter:
 
 
 class ChecksummedFiles(FileSystem):
-    """DCP's file system, where each .distcp file is CRC-32'd as DCP writes it: no read-back (which cost
-    0.03 s a save for ResNet-50's 98 MiB a rank). DCP's writer threads share it; each file is one thread's."""
+    """DCP's file system, where each .distcp file is CRC-32'd as DCP writes it: no read-back of what a save has
+    just written. DCP's writer threads share it; each file is one thread's."""
 
     def __init__(self):
         super().__init__()
@@ -270,7 +270,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 def planner() -> DefaultSavePlanner:
     """DCP's planner, with its plans cached: the same model saves the same items from the same ranks, so
-    after the first save the ranks exchange empty plans instead of ~500 items each (bench/checkpoint.py)."""
+    after the first save the ranks exchange empty plans instead of an item per tensor each."""
     return DefaultSavePlanner(enable_plan_caching=True)
 
 
@@ -288,8 +288,8 @@ def _nothing_to_create(optimizer: torch.optim.Optimizer, step: int):
     """An optimizer that has stepped and holds no state (SGD without momentum) has none to create. torch's
     get_state_dict creates an optimizer's state wherever no parameter has a gradient (after zero_grad): a zero
     gradient for every parameter and a step with lr 0, which at each save cost a copy of the rank's parameters
-    (0.25x the model's bytes a rank at 4 FSDP ranks: bench/fsdp_run_memory.py) and a step's time. One zero
-    gradient on the smallest parameter while it runs tells it so; the state it returns is the same (empty)."""
+    and a step's time. One zero gradient on the smallest parameter while it runs tells it so; the state it
+    returns is the same (empty)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if step == 0 or optimizer.state or not params or any(p.grad is not None for p in params):
         yield

@@ -8,6 +8,6 @@ from train.launch.launcher import main
 code = main()
 # A launcher that has imported torch (a node that waits for its rendezvous host checks the task's config and
 # probes the host; --nproc-per-node=auto counts GPUs) holds millions of objects that the interpreter's exit
-# would walk in its garbage collections, about a second of CPU after torchrun has ended: left to the OS.
+# would walk in its garbage collections after torchrun has ended: left to the OS.
 gc.freeze()
 sys.exit(code)

@@ -54,10 +54,10 @@ from train.launch.command import (
     torchrun_command,
     worker_env,
 )
+from train.launch.forwarding import Signals, Stopped, alive, children
 from train.launch.passthrough import Passthrough
 from train.launch.rendezvous import NotUp, wait_for_rendezvous
-from train.launch.signals import Signals, Stopped, alive, children, say
-from train.launch.verdict import History, verdict
+from train.launch.verdict import History, say_last, verdict
 from train.stops import markers
 from train.supported import check_torch
 
@@ -100,7 +100,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         rc = _launch(args, opts, cmd, cfg, train_args, signals, before)
     except NotUp as e:  # nothing was trained: the job should be retried (PyTorchJob: 143, recreated), a few times
-        say(f"launch: {e}")
+        say_last(f"launch: {e}")
         return history.end(EXIT_REQUEUE, failed=True)
     return history.end(rc, failed=rc == 1)
 
@@ -115,7 +115,7 @@ def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str
             except NotUp:
                 raise
             except RuntimeError as e:
-                say(f"error: {e}")
+                say_last(f"error: {e}")
                 return 1
             cmd = torchrun_command(opts, train_args)
         debug = bool(args.debug or os.environ.get("LAUNCH_DEBUG", "0") not in ("", "0"))
@@ -133,8 +133,8 @@ def _launch(args: argparse.Namespace, opts: dict[str, str | None], cmd: list[str
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return _run(cmd, opts, cfg, signals, before, debug=debug)
     except Stopped as e:
-        say(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
-             f"relaunch to continue (exit {EXIT_REQUEUE})")
+        say_last(f"launch: stopped on {e} before training started; nothing was trained since the last checkpoint: "
+                 f"relaunch to continue (exit {EXIT_REQUEUE})")
         return EXIT_REQUEUE
 
 
@@ -244,7 +244,7 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
             # own error; a hang)
             passthrough.close(failed_workers=judged.report)
         if judged.line:
-            say(judged.line)
+            say_last(judged.line)
         if (usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None and opts["nnodes"] == "1"
                 and signals.last_round == 0):
             # (several nodes share logs/ and .launch/; a later round's start follows one that may have trained)

@@ -13,7 +13,7 @@ import sys
 import time
 
 from train.errors import EXIT_REQUEUE, ConfigError
-from train.launch.signals import Signals
+from train.launch.forwarding import Signals
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -3,12 +3,13 @@ the training arguments in full first.
 
 The launcher starts this in place of `python -m torch.distributed.run`, with the same arguments (command.py).
 It checks the task's keys here rather than in its own process: a task's module (a user's file) imports torch,
-which torchrun imports next anyway, so a launch imports torch once on its way to the workers, not twice
-(about 1.5 s of CPU). A bad key is still one line and exit 2 before torchrun starts a worker. (A launcher that
-waits for the rendezvous host imports torch to probe it, and checks every key itself before it waits.)
+which torchrun imports next anyway, so a launch imports torch once on its way to the workers, not twice. A bad
+key is still one line and exit 2 before torchrun starts a worker. (A launcher that waits for the rendezvous host
+imports torch to probe it, and checks every key itself before it waits.)
 
 The stop budget holds on every supported torch: where this torchrun does not know --shutdown-timeout (torch
-2.11's), the option is taken out of its arguments and its agent is given the budget here instead (stop_budget).
+2.11's), the option is taken out of its arguments and its agent is given the budget here instead
+(apply_stop_budget).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def main(argv: list[str]) -> int | None:
             return EXIT_USAGE
         from torch.distributed.run import main as torchrun
 
-        argv = stop_budget(argv)
+        argv = apply_stop_budget(argv)
     return torchrun(argv)
 
 
-def stop_budget(argv: list[str]) -> list[str]:
+def apply_stop_budget(argv: list[str]) -> list[str]:
     """torchrun's arguments, less --shutdown-timeout=N where this torchrun does not accept it; then its agent
     closes the workers within N seconds all the same (torch 2.11's passes no timeout to its PContext.close, whose
     default is a fixed 30 s, where 2.14's passes --shutdown-timeout)."""
@@ -68,6 +69,6 @@ if __name__ == "__main__":
         code = main(sys.argv[1:])
     finally:
         # torch's millions of objects are left to the OS, not walked by the interpreter's last garbage
-        # collections (about 0.6 s of CPU after the workers have ended), as train/launch/__main__.py does
+        # collections after the workers have ended, as train/launch/__main__.py does
         gc.freeze()
     sys.exit(code)

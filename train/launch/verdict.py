@@ -16,10 +16,19 @@ from typing import NamedTuple
 
 from train import config
 from train.checkpoint.storage import NAME, complete_checkpoints
-from train.errors import EXIT_REQUEUE, EXIT_USAGE
+from train.errors import EXIT_REQUEUE, EXIT_USAGE, say
+from train.launch.forwarding import Signals, Stopped
 from train.launch.rendezvous import split_endpoint
-from train.launch.signals import SAID, Signals, Stopped, say
 from train.stops import markers
+
+LAST_SAID: list[str] = []  # the launcher's last line of this launch (the restart-loop check quotes it)
+
+
+def say_last(line: str) -> None:
+    """A line of the launcher on stderr, kept as its last (History quotes it when it refuses a restart loop)."""
+    LAST_SAID[:] = [line]
+    say(line)
+
 
 # The last line of a torchrun traceback that the launcher's one line explains: the traceback is not shown.
 QUIET_TRACEBACK = re.compile(r"^(torch\.distributed\.\S*)?(RendezvousConnectionError|RendezvousTimeoutError|"
@@ -120,12 +129,13 @@ class History:
             return rc
         before = self._read()
         count = before.get("failed", 0) + 1 if before.get("step") == self.start else 1
-        last = SAID[0] if SAID else f"exit {rc}"
+        last = LAST_SAID[0] if LAST_SAID else f"exit {rc}"
         if self.limit and count >= self.limit:
             self._write(None)
-            say(f"error: {count} launches in a row failed without advancing the checkpoint past step {self.start} "
-                 f"(the last: {last.removeprefix('error: ').removeprefix('launch: ')}): not retried (exit "
-                 f"{EXIT_USAGE}); fix the cause and relaunch, or raise --max-failed-launches (MAX_FAILED_LAUNCHES)")
+            say_last(f"error: {count} launches in a row failed without advancing the checkpoint past step "
+                     f"{self.start} (the last: {last.removeprefix('error: ').removeprefix('launch: ')}): not retried "
+                     f"(exit {EXIT_USAGE}); fix the cause and relaunch, or raise --max-failed-launches "
+                     f"(MAX_FAILED_LAUNCHES)")
             return EXIT_USAGE
         self._write({"step": self.start, "failed": count, "last": last, "time": time.time()})
         return rc

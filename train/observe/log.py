@@ -198,10 +198,10 @@ class RunLog:
             self.tracker = None
         if self.lcfg.report:
             try:
-                from train.observe import report
+                from train.observe import report_writer
 
                 t = time.perf_counter()
-                png, text = report.write(self.run_dir)
+                png, text = report_writer.write(self.run_dir)
                 for line in text.splitlines():
                     self.info(line)
                 self.info(f"report: {png} ({time.perf_counter() - t:.1f} s)")

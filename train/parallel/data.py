@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from train.config import Config, ConfigError
-from train.parallel.shipping import WorkerContext
+from train.parallel.worker_args import WorkerContext
 from train.stops.signals import ignore_stop_signals
 from train.task import default_collate
 
@@ -50,7 +50,7 @@ class SeededSamples(Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list:
         """A micro-batch's samples (the DataLoader asks for them together): in the training process the
-        generators' states are saved and restored once a batch, not once a sample (numpy's: ~0.25 ms)."""
+        generators' states are saved and restored once a batch, not once a sample (numpy's is slow to copy)."""
         if get_worker_info() is not None:  # a loader worker: its generators serve nothing else
             return [self._seeded(index, epoch) for index, epoch in keys]
         states = torch.get_rng_state(), random.getstate(), np.random.get_state()
@@ -64,9 +64,9 @@ class SeededSamples(Dataset):
     def _seeded(self, index: int, epoch: int):
         s = _sample_seed(self.seed, epoch, index)
         # torch's CPU generator, the one a sample draws from: torch.manual_seed(s) seeds it too, but also
-        # queues lazy CUDA, XPU and MPS seeds, each with a traceback.format_stack() (~0.3 ms a sample, most
-        # of a loader worker's time on token windows: bench/step_parts.py), and would leave the CUDA
-        # generator reseeded by the data in the training process (num_workers=0 on a GPU).
+        # queues lazy CUDA, XPU and MPS seeds, each with a traceback.format_stack() (most of a loader worker's
+        # time on token windows), and would leave the CUDA generator reseeded by the data in the training
+        # process (num_workers=0 on a GPU).
         torch.default_generator.manual_seed(s)
         random.seed(s)
         np.random.seed(s % 2**32)
@@ -193,8 +193,8 @@ def worker_context():
 
     The cost: a worker's arguments are pickled, the dataset among them (and a task's own collate, the task with
     it); its tensors go through shared memory (moved there once, then passed as file descriptors; thousands of
-    small ones packed into one block: train/parallel/shipping.py), an ImageFolder's file list is copied."""
-    ctx = WorkerContext()  # forkserver's, its arguments shipped whatever number of tensors they hold
+    small ones packed into one block: train/parallel/worker_args.py), an ImageFolder's file list is copied."""
+    ctx = WorkerContext()  # forkserver's, its arguments sent whatever number of tensors they hold
     ctx.set_forkserver_preload(["train.parallel.loader_server", "train.parallel.data"])  # in this order
     # Start it now: it imports torch while this process builds the model, not at the first batch. It is
     # started once per process; a fork server that died (SIGKILL) is started again at the next worker.

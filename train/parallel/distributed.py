@@ -242,8 +242,8 @@ def exit_process(code: int) -> None:
     """End a worker process without Python's interpreter finalization.
 
     DDP keeps its gloo process group alive after destroy_process_group() (its worker threads are still
-    running when the program ends: measured, and not with plain collectives), and such a thread may
-    be the one that frees the last collective's tensors. If that happens while Python finalizes,
+    running when the program ends; plain collectives' are not), and such a thread may be the one that frees
+    the last collective's tensors. If that happens while Python finalizes,
     taking the GIL ends the thread with pthread_exit, whose unwinding through torch's C++ destructors
     calls std::terminate: "terminate called without an active exception", SIGABRT, after a run that
     succeeded (core dump: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject ->

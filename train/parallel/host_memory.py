@@ -4,12 +4,10 @@ Under FSDP every step allocates and frees the whole model in pieces: each block'
 whole gradients, then its reduce-scatter buffer, and the activations. glibc serves pieces under its mmap
 threshold from its heap, and that threshold rises with each large piece freed (up to 32 MiB): from the first
 step on, the gathered blocks live on the heap, whose holes between the gradient shards made meanwhile are
-neither returned nor reused well. On CPU ranks that kept 1.6x the model's bytes resident on each of 4 ranks,
-all through the saves and evaluations, where the rank holds 0.25x (bench/fsdp_run_memory.py). A fixed
-threshold maps each larger piece on its own, returned to the system when freed. At 1 MiB the activations of
-short sequences (256 KiB a tensor at 64 tokens of width 1024) still stayed on the heap, 0.07x of the model
-there; at 64 KiB they go back too. It costs page faults for those pieces: on that shared 2-core machine, step
-times with and without it were within its noise. DDP runs keep glibc's default.
+neither returned nor reused well: a rank keeps several times its shard resident, all through the saves and
+evaluations. A fixed threshold maps each larger piece on its own, returned to the system when freed; at 64 KiB
+the activations of short sequences go back too. It costs page faults for those pieces, too few to show in step
+times (docs/dev/design-notes.md). DDP runs keep glibc's default.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - DDP (dist.strategy=ddp): every rank holds the whole model, its gradients and its optimizer state;
   gradients are all-reduced in buckets during the backward. One process alone trains the model itself: DDP
   would all-reduce each gradient with nobody (the same bits) and, under torch.compile, split the compiled graph
-  at each bucket (measured on an H200: the trainer at 0.79 of a bare loop with it).
+  at each bucket, which slows the step.
 - FSDP2 (dist.strategy=fsdp, torch.distributed.fsdp.fully_shard): every rank holds 1/world of each
   parameter, gradient and optimizer state (DTensors). Each of the task's blocks (Task.blocks) is a unit:
   its parameters are all-gathered just before its forward (and again before its backward when
@@ -90,8 +90,7 @@ def _one_block_at_a_time(model: nn.Module) -> None:
       prefetches only itself, which it already holds: nothing.
     - the reduce-scatter input, a copy of a block's whole gradients that FSDP2 keeps until the next block's
       reduce-scatter (for the GPU's allocator). It is freed as soon as its reduce-scatter returns.
-    bench/fsdp_run_memory.py (a 252M GPT in 20 blocks, 4 ranks): a block is 0.05 of the model, and each of the
-    two was one block more at the peak of a step. GPU runs keep FSDP2's defaults: there the overlap is the
+    Each of the two adds a block to the peak of a step. GPU runs keep FSDP2's defaults: there the overlap is the
     point."""
     for unit in _units(model):
         unit.set_modules_to_backward_prefetch([unit])
@@ -124,7 +123,7 @@ def materialize(model: nn.Module, task, device: torch.device, seed: int, skip: C
     whole tensor on the CPU with task.init_parameter and keeps its shard. At most one whole tensor is held at
     a time; the generator is the CPU's, so GPUs and CPUs, one rank or many, DDP or FSDP get the same bits.
     `skip`: the tensors a checkpoint or init_from overwrites whole before the first step (a resume), given
-    memory only: drawing them would cost a rank about 70 s at 7B parameters, for nothing."""
+    memory only: drawing them is most of a large model's start, for nothing."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     shared: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter held by several modules (tied weights)

@@ -3,28 +3,29 @@
 A stop is asked for by SIGTERM (torchrun, Kubernetes, SLURM), SIGINT (Ctrl-C), SIGHUP (a hang-up) or SIGQUIT,
 which torchrun passes on to the workers as they came, plus checkpoint.signal (e.g. SIGUSR1, which SLURM's
 --signal sends ahead of the time limit). HUP stays ignored where it was at start (nohup). The launcher and
-the loader workers' fork server treat USR1 and USR2 as stops too (EVERY). Stdlib only at the top (torch is
-imported by `agreed`, in a worker that has it already).
+the loader workers' fork server, which do not know checkpoint.signal, treat USR1 and USR2 as stops too
+(ALL_STOP_SIGNALS). Stdlib only at the top (torch is imported by `agreed`, in a worker that has it already).
 """
 
 from __future__ import annotations
 
 import signal
 
-ALWAYS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # a stop for every process of a run
-EVERY = (*ALWAYS, "SIGUSR1", "SIGUSR2")  # every signal a launcher, torchrun, SLURM or a terminal may send as one
+FIXED_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # a stop for every process, whatever the config
+# every signal a launcher, torchrun, SLURM or a terminal may send as one: the fixed ones and each checkpoint.signal
+ALL_STOP_SIGNALS = (*FIXED_STOP_SIGNALS, "SIGUSR1", "SIGUSR2")
 
 
-def every_stop_signal() -> tuple[signal.Signals, ...]:
-    return tuple(getattr(signal, name) for name in EVERY)
+def all_stop_signals() -> tuple[signal.Signals, ...]:
+    return tuple(getattr(signal, name) for name in ALL_STOP_SIGNALS)
 
 
 def ignore_stop_signals(blocked: bool = False) -> None:
     """Ignore every stop signal; blocked too where `blocked` (the loader workers' fork server: the workers it
     forks inherit them blocked, see train/parallel/loader_server.py)."""
-    for sig in every_stop_signal():
+    for sig in all_stop_signals():
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, every_stop_signal())
+    signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, all_stop_signals())
 
 
 _received: list[str] = []  # the first stop signal StopRequest's handler took in this process
@@ -56,7 +57,7 @@ class StopRequest:
             self.signal = self.signal or signal.Signals(signum).name
             _received[:] = _received or [signal.Signals(signum).name]
 
-        for name in {*ALWAYS, self.extra_signal}:
+        for name in {*FIXED_STOP_SIGNALS, self.extra_signal}:
             sig = getattr(signal, name)
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup

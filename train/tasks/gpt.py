@@ -240,7 +240,7 @@ def builtin_chain(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def builtin_tokens(seed: int, n: int, split: Literal["train", "val"]) -> np.ndarray:
-    """n tokens of the built-in corpus (uint16), ~0.1 s per million. The splits are different runs of the same
+    """n tokens of the built-in corpus (uint16). The splits are different runs of the same
     chain. Made of chunks of STREAMS runs of CHUNK_STEPS tokens, generated side by side (numpy steps all the
     runs at once) and laid end to end; chunk k comes from (seed, split, k), so a longer corpus only adds
     chunks: builtin_tokens(seed, m, split) starts with builtin_tokens(seed, n, split) for m > n."""

@@ -140,8 +140,8 @@ class ArrayDataset(Dataset):
             x = F.pad(x, (pad, pad, pad, pad), mode="reflect")[:, dy:dy + x.shape[1], dx:dx + x.shape[2]]
             if torch.randint(0, 2, ()).item():  # a draw of its own: an offset's parity is odd 4 times in 9
                 x = x.flip(-1)
-        # uint8 still: a quarter of float32's bytes through the workers, the pinned memory and the copy to the GPU;
-        # pixels() scales and normalizes on the device (ResNet-50 at 224 px was loader-bound in float32)
+        # uint8 still: a quarter of float32's bytes through the workers, the pinned memory and the copy to the GPU,
+        # so that large images do not leave the GPU waiting on the loader; pixels() scales and normalizes there
         return x.contiguous(), int(self.labels[index])
 
 
@@ -205,9 +205,8 @@ def builtin(n: int, num_classes: int, size: int, seed: int, split: str,
             protos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable synthetic set: each class is a smooth colour layout; samples are shifted, dimmed,
     blended with another class and noised copies of it. Same seed, same data, on every rank.
-    Drawn BUILTIN_CHUNK images at a time into the uint8 result, the same bits as all at once. The datasets of
-    bench/gpu_check.py's ResNet-50 (2560 and 256 images of 224 px, 1000 classes) took 11.8 s and 7.9 GB of host
-    memory drawn whole, 7.4 s and 2.5 GB so, their class layouts drawn once (2-core CPU)."""
+    Drawn BUILTIN_CHUNK images at a time into the uint8 result, the same bits as all at once: the float32
+    draws of one chunk are held at a time, not those of the whole set."""
     pad = size // 4
     if protos is None:
         protos = prototypes(num_classes, size, seed)

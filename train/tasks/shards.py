@@ -52,11 +52,6 @@ MASK = ".mask"  # the loss mask beside a shard: uint8 a token
 COUNTS, STARTS = 1, 2  # a mask byte's bits: the token counts in the loss (as a target); a conversation starts
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest token type llm.c has for a vocabulary: uint16 up to 65536 tokens, else uint32."""
-    return TOKEN if vocab_size <= 2**16 else TOKEN32
-
-
 @dataclass(frozen=True, eq=False)  # eq=False: no comparing (or hashing) arrays
 class Shard:
     """Where a shard's tokens are: `count` tokens of type `dtype` from byte `offset` of `path`, or an in-memory
@@ -189,7 +184,7 @@ def _write_cache(folder: Path, entries: dict) -> None:
 
 def token_max(shards: list[Shard]) -> list[int]:
     """The largest token id of each shard (-1: empty): from the cache where the file's size and modification
-    time are those it was computed for, else one pass over its memory map (~0.1 s per 100M tokens), kept."""
+    time are those it was computed for, else one pass over its memory map, kept."""
     out: list[int] = []
     fresh: dict[Path, dict] = {}
     caches: dict[Path, dict] = {}

@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from train.stops.signals import every_stop_signal
-
-# Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and QUIT
-# on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
-STOP_SIGNALS = every_stop_signal()
+from train.stops.signals import all_stop_signals
 
 
 class Stopped(Exception):
     pass
-
-
-SAID: list[str] = []  # the launcher's last line of this launch (the restart-loop check quotes it)
-
-
-def say(line: str) -> None:
-    """The launcher's last line (one of them), on stderr."""
-    SAID[:] = [line]
-    print(line, file=sys.stderr, flush=True)
 
 
 class Signals:
@@ -44,7 +30,9 @@ class Signals:
         self.last_round = 0  # the highest round of workers seen so far (see() and the stop)
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
+        # Every signal a terminal, a scheduler or torchrun may send as a stop. torchrun passes TERM, INT, HUP and
+        # QUIT on to the workers unchanged (TORCHELASTIC_SIGNALS_TO_HANDLE), so the workers treat each as a stop too.
+        for sig in all_stop_signals():
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a hang-up is not a stop, here or in torchrun and the workers
             signal.signal(sig, self._handle)

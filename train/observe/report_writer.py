@@ -1,20 +1,16 @@
-"""`python -m train.report RUN_DIR`: a run's curves in one PNG and a few lines of text.
+"""A run's report: its curves in one PNG and a few lines of text, from its files.
 
 Reads RUN_DIR/metrics.jsonl (and summary.json, config.yaml when present), so it works on any run: a
 finished one, one still training, one that was stopped. Writes RUN_DIR/report.png (loss, evaluation
-accuracy, learning rate and throughput against the step) and RUN_DIR/report.txt, and prints the text.
-Training runs it on rank 0 at the end. A directory without metrics is one line and exit code 2.
+accuracy, learning rate and throughput against the step) and RUN_DIR/report.txt. Training calls write() on
+rank 0 at the end; `python -m train.report RUN_DIR` (train/report.py) on any run directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
-
-from train.errors import EXIT_USAGE
 
 PANELS = ("loss", "eval accuracy", "learning rate", "throughput (samples/s)")
 
@@ -172,15 +168,3 @@ def write(run_dir: Path) -> tuple[Path, str]:
     (run_dir / "report.txt").write_text(report)
     return png, report
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.report", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory (runs/<name>)")
-    args = p.parse_args(argv)
-    try:
-        png, report = write(args.run_dir)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(report + f"wrote {png} and {png.with_suffix('.txt')}", end="\n")
-    return 0

@@ -102,7 +102,7 @@ def _block(packed: list[torch.UntypedStorage]) -> tuple[list[int], torch.Untyped
     return offsets, block
 
 
-class Shipment:
+class PackedArgs:
     """Pickled (with ForkingPickler, to a new worker) as its value's pickle with the storages set aside, the
     OWN_FDS largest of them shared one descriptor each and the rest in one block."""
 
@@ -138,11 +138,11 @@ def _unpickle(data: bytes, own: list, block, spans: list[tuple[int, int]], where
 
 
 class WorkerProcess(multiprocessing.context.ForkServerProcess):
-    """A fork server's process whose arguments travel as one Shipment."""
+    """A fork server's process whose arguments travel as one PackedArgs."""
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_args"], state["_kwargs"] = Shipment((self._args, self._kwargs)), None
+        state["_args"], state["_kwargs"] = PackedArgs((self._args, self._kwargs)), None
         return state
 
     def __setstate__(self, state):
