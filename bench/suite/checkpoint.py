@@ -1,6 +1,6 @@
 """Checkpoint cost, 2 ranks (DDP or FSDP, gloo), measured side by side in one run (alternating order, medians).
 
-    python bench/checkpoint.py [--model resnet50] [--strategy ddp|fsdp] [--repeats 7] [--dir /tmp/x]
+    python -m bench.suite.checkpoint [--model resnet50] [--strategy ddp|fsdp] [--repeats 7] [--dir /tmp/x]
                                [--async-type thread|process]
 
 Runs itself under torchrun (2 processes). Rank 0 prints the figures; the time of one of our operations is
@@ -31,16 +31,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _util import torchrun, write_json  # noqa: E402
-
-from train import config, optim  # noqa: E402
-from train.checkpoint import checkpointer, dcp_io  # noqa: E402
-from train.parallel import wrapping  # noqa: E402
-from train.parallel.distributed import exit_process  # noqa: E402
+from bench.common import ROOT, torchrun, write_json
+from train import config, optim
+from train.checkpoint import checkpointer, dcp_io
+from train.parallel import wrapping
+from train.parallel.distributed import exit_process
 
 
 class _Quiet:
@@ -97,7 +95,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     if "RANK" not in os.environ:  # start the 2 ranks
-        sys.exit(subprocess.run(torchrun(2, __file__, *sys.argv[1:])).returncode)
+        sys.exit(subprocess.run(torchrun(2, "-m", "bench.suite.checkpoint", *sys.argv[1:]), cwd=ROOT).returncode)
     if args.smoke:
         args.model, args.repeats = "resnet18", 1
     dcp_io.ASYNC_TYPE = dcp_io.dcp.state_dict_saver.AsyncCheckpointerType(args.async_type)
