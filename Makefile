@@ -89,9 +89,10 @@ GPU_JSON ?=
 bench: dev
 	$(PY) -m bench all $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
 
-# One prepared check of a GPU machine, minutes (bench/check/gpu.py: an acceptance check, not a benchmark): its stages in order of value, each writing
-# OUT/gpu_check.json as it ends. It installs nothing: the machine's own python and torch run it (.venv's if there
-# is one). SMOKE=1: the same stages at toy sizes on the CPU. `make bench GPU_JSON=OUT/gpu_check.json` shows it.
+# One prepared check of a GPU machine, minutes (bench/check/gpu.py: an acceptance check, not a benchmark): its
+# stages in order of value, each writing OUT/gpu_check.json as it ends. It installs nothing: the machine's own
+# python and torch run it (.venv's if there is one). SMOKE=1: the same stages at toy sizes on the CPU.
+# `make bench GPU_JSON=OUT/gpu_check.json` shows it.
 # BUDGET: seconds after which no stage starts (a stage running then is cut), so a run stays within it.
 OUT ?= gpu-check
 SMOKE ?=
