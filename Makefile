@@ -90,21 +90,23 @@ lint: dev
 	$(VENV)/bin/ruff check train tests bench examples
 
 # Benchmarks (minutes; figures, not pass/fail): BENCHMARKS.md and BENCHMARKS.png.
-# GPU figures need a GPU, or GPU_JSON=file written by `bench/gpu.py --json file` on one.
+# bench/suite/ (python -m bench all). GPU figures: measured here on a GPU; or GPU_JSON=file, written on one by
+# `python -m bench.suite.gpu --json file` or `make gpu-check`; else the newest make gpu-check JSON in docs/dev/gpu/.
 GPU_JSON ?=
 bench: dev
-	$(PY) bench/run_all.py $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
+	$(PY) -m bench all $(if $(GPU_JSON),--gpu-json $(GPU_JSON))
 
-# One prepared check of a GPU machine, minutes (bench/gpu_check.py): its stages in order of value, each writing
-# OUT/gpu_check.json as it ends. It installs nothing: the machine's own python and torch run it (.venv's if there
-# is one). SMOKE=1: the same stages at toy sizes on the CPU. `make bench GPU_JSON=OUT/gpu_check.json` shows it.
+# One prepared check of a GPU machine, minutes (bench/check/gpu.py: an acceptance check, not a benchmark): its
+# stages in order of value, each writing OUT/gpu_check.json as it ends. It installs nothing: the machine's own
+# python and torch run it (.venv's if there is one). SMOKE=1: the same stages at toy sizes on the CPU.
+# `make bench GPU_JSON=OUT/gpu_check.json` shows it.
 # BUDGET: seconds after which no stage starts (a stage running then is cut), so a run stays within it.
 OUT ?= gpu-check
 SMOKE ?=
 BUDGET ?= 300
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	$(GPU_PY) bench/gpu_check.py $(OUT) --budget-s $(if $(SMOKE),3000,$(BUDGET)) $(if $(SMOKE),--smoke)
+	$(GPU_PY) -m bench gpu-check $(OUT) --budget-s $(if $(SMOKE),3000,$(BUDGET)) $(if $(SMOKE),--smoke)
 
 clean-runs:
 	rm -rf runs

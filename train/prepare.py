@@ -27,7 +27,7 @@ Each file is read in blocks of BLOCK_CHARS characters, cut before a word (a spac
 byte-level tokenizers' pre-tokenizers cut too: the tokens are those of the whole text), and the blocks of a batch are
 encoded together on every core (the fast tokenizer's encode_batch_fast, tiktoken's encode_ordinary_batch). The tokens
 go to a file in OUTDIR as they come, and the shards are copied from it: memory is one batch of blocks and a few bytes
-a token (bench/prepare_memory.py measures it), whatever the corpus' size.
+a token (bench/studies/prepare_memory.py measures it), whatever the corpus' size.
 
 --chat: INPUT is JSON lines of {"messages": [{"role": ..., "content": ...}, ...]}, rendered through the tokenizer's own
 chat template (transformers' apply_chat_template; tokenizer_config.json's chat_template or chat_template.jinja). Beside

@@ -1,10 +1,10 @@
 """Every benchmark runs (a seconds-long smoke, as `make bench` would at full size) and BENCHMARKS.md
 gets a row per figure. Timings are printed, never asserted."""
+
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +13,7 @@ from tests.conftest import PY, ROOT, clean_env
 
 def test_benchmarks_smoke_writes_the_results_page(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([PY, "bench/run_all.py", "--smoke", "--out", str(out)], cwd=ROOT, env=clean_env(),
+    proc = subprocess.run([PY, "-m", "bench", "all", "--smoke", "--out", str(out)], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     page = out.read_text()
@@ -31,25 +31,19 @@ def test_benchmarks_smoke_writes_the_results_page(tmp_path):
     # the smoke trains both loops from the same seed: the template adds no numerical difference
     assert "| overhead: final weights bitwise equal to the same math in a bare loop | yes |" in page
     assert (tmp_path / "BENCHMARKS.png").stat().st_size > 1000
+    # no GPU here: the GPU table is the newest make gpu-check kept in docs/dev/gpu/, and the head says so
+    kept = sorted((ROOT / "docs" / "dev" / "gpu").glob("*.json"))[-1].relative_to(ROOT)
+    head = next(line for line in page.splitlines() if line.startswith("- GPU figures:"))
+    assert "the GPU table below, `make gpu-check` on " in head and str(kept) in head and "added in" in head, head
+    assert f"## GPU (`make gpu-check`, from {kept})" in page
+    assert "not measured" not in head
     print(page)
 
 
-def test_checkpoint_parts_smoke_prints_each_part_of_a_save():
-    """bench/checkpoint_parts.py (not in run_all: a breakdown, run by hand) still runs, and says each row."""
-    proc = subprocess.run([PY, "bench/checkpoint_parts.py", "--smoke"], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for row in ("1 one process: torch.save(whole) + fsync", "3 each rank: a torch.save per tensor",
-                "4 dcp.save", "5 Checkpointer.save (ours)", "zlib.crc32 of a rank's half",
-                "host copy of the whole state"):
-        line = next(x for x in proc.stdout.splitlines() if x.startswith(row))
-        assert float(line[50:].split()[0]) > 0, line
-
-
 def test_fsdp_host_smoke_times_each_phase_of_a_step():
-    """bench/fsdp_host.py (run by hand: FSDP2's host time a step, docs/dev/benchmark-studies.md) still runs, and
+    """bench/studies/fsdp_host.py (run by hand: FSDP2's host time a step, docs/dev/benchmark-studies.md) still runs, and
     times each phase of a step for the model alone and under FSDP (figures printed, not asserted)."""
-    proc = subprocess.run([PY, "bench/fsdp_host.py", "--smoke", "--layers", "2"], cwd=ROOT, env=clean_env(),
+    proc = subprocess.run([PY, "-m", "bench.studies.fsdp_host", "--smoke", "--layers", "2"], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fig = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -60,10 +54,10 @@ def test_fsdp_host_smoke_times_each_phase_of_a_step():
 
 
 def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
-    """bench/prepare_memory.py (run by hand: docs/language-models.md quotes it) still runs on a 1 MB corpus, and
+    """bench/studies/prepare_memory.py (run by hand: docs/language-models.md quotes it) still runs on a 1 MB corpus, and
     says how many tokens it made and its peak memory above the imports."""
     pytest.importorskip("tokenizers", reason="pip install -r requirements-hf.txt")
-    proc = subprocess.run([PY, "bench/prepare_memory.py", "--mb", "1", "--vocab", "500", "--json",
+    proc = subprocess.run([PY, "-m", "bench.studies.prepare_memory", "--mb", "1", "--vocab", "500", "--json",
                            str(tmp_path / "f.json")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -74,7 +68,8 @@ def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
 def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     """`make gpu-check SMOKE=1`: every stage of the GPU machine's check at toy sizes on the CPU, so that the script is
     known to work before a GPU is there: each stage's figures in gpu_check.json, no stage failed, the stops and
-    relaunches equal the runs that never stopped, and bench/run_all.py makes the GPU table from it."""
+    relaunches equal the runs that never stopped, and `python -m bench all` (bench/report.py) makes the GPU table from
+    it."""
     out = tmp_path / "check"
     proc = subprocess.run(["make", "gpu-check", "SMOKE=1", f"OUT={out}", f"GPU_PY={PY}"], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=1500)
@@ -96,7 +91,7 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     hooks = lm["lm_fsdp_trace"]["host_labels"]
     assert hooks["FSDP::pre_forward"]["calls_per_step"] >= 3 and hooks["FSDP::pre_forward"]["ms_per_step"] > 0, hooks
     assert stages["resnet50"]["compile"]["images_per_s"] > 0 and stages["imagefolder"]["images_per_s"] > 0
-    assert check["machine"]["torch"]
+    assert check["machine"]["torch"] and check["machine"]["commit"]  # BENCHMARKS.md names what it measured
     # each python -m train run's timeline: where a stage's seconds go (start, first step line, steps, the end)
     run = check["runs"]["gpt/trainer"]
     assert run["to_first_step_line_s"] > 0 and run["wall_s"] >= run["to_first_step_line_s"] + run["steps_s"], run
@@ -104,13 +99,12 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     assert set(check["warm"]) == {"gpt", "fsdp_vs_ddp", "resnet50"}, check["warm"]
     assert not [k for k, v in check["warm"].items() if "error" in v], check["warm"]
     assert (out / "warm" / "gpt" / "metrics.jsonl").exists() and (out / "warm" / "resnet50" / "summary.json").exists()
-    sys.path.insert(0, str(ROOT / "bench"))
-    import run_all
+    from bench import report
 
-    table = "\n".join(run_all.gpu_check_lines(check, "gpu_check.json"))
+    table = "\n".join(report.gpu_check_lines(check, "gpu_check.json"))
     assert "| stopped and relaunched = never stopped, bitwise, DDP, async save every step | yes | yes | yes |" in table
     assert "torch " + check["machine"]["torch"] in table
     assert f"| the whole check (`make gpu-check`), s | {check['seconds']:.0f} | <= 300 |" in table, table
     cut = check | {"stages": stages | {"memory": {"skipped": "out of time (--budget-s)", "seconds": 0}}}
-    assert "| <= 300 | **no** (memory not measured) |" in "\n".join(run_all.gpu_check_lines(cut, "x.json"))
+    assert "| <= 300 | **no** (memory not measured) |" in "\n".join(report.gpu_check_lines(cut, "x.json"))
     assert check["seconds"] >= max(v["seconds"] for v in stages.values())

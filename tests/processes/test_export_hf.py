@@ -1,7 +1,8 @@
 """`python -m train.export --format hf` writes what transformers' save_pretrained writes: files split at
 --max-shard-size with their index, the tokenizer and generation config of the folder the run started from, a
 proper architectures list, --dtype on floating tensors only; a checkpoint or a config.json that does not fit the
-model is refused in one line before anything is written. Tiny models (the memory bound: bench/export_memory.py)."""
+model is refused in one line before anything is written. Tiny models (the memory bound:
+bench/suite/export_memory.py)."""
 
 from __future__ import annotations
 

@@ -200,15 +200,15 @@ def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
 
 
 def test_no_rank_holds_the_model_over_a_whole_fsdp_run(tmp_path):
-    """bench/fsdp_run_memory.py on 2 ranks, a GPT of 4 blocks of width 1536 (114M parameters, M = 433 MiB, a
-    block 0.25 M), SGD without momentum, two steps, a save after each, evaluations, the end: each rank's peak RSS
+    """python -m bench.suite.fsdp_run_memory on 2 ranks, a GPT of 4 blocks of width 1536 (114M parameters, M = 433
+    MiB, a block 0.25 M), SGD without momentum, two steps, a save after each, evaluations, the end: each rank's peak RSS
     above the same run with the tiny model. A rank holds its shard and its gradients' (M / 2 each) and one
     block's parameters and gradients in flight: 1.49-1.51 M here (runs differ by a few MiB, hence a model this
     large). FSDP2's reduce-scatter buffer, kept for a GPU's allocator, made it 1.64-1.66 M; freed blocks kept on
     glibc's heap 5 M; each save's zero gradients for the stateless optimizer (torch's get_state_dict) another
     M / 2 above the shard during the save."""
     out = tmp_path / "memory.json"
-    proc = subprocess.run([PY, "bench/fsdp_run_memory.py", "--nproc", "2", "--layers", "4", "--embd", "1536",
+    proc = subprocess.run([PY, "-m", "bench.suite.fsdp_run_memory", "--nproc", "2", "--layers", "4", "--embd", "1536",
                            "--heads", "16", "--json", str(out)], cwd=ROOT, env=clean_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

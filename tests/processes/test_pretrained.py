@@ -132,9 +132,9 @@ def test_a_pretrained_folder_that_does_not_fit_is_one_line_exit_2(tmp_path, case
 
 
 def _build(tmp_path: Path, name: str, *args: str) -> dict:
-    """bench/build_memory.py: the trainer's build on real ranks; its figures (and --save's weights)."""
+    """python -m bench.suite.build_memory: the trainer's build on real ranks; its figures (and --save's weights)."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([PY, "bench/build_memory.py", "--only", "meta", "--json", str(out), *args], cwd=ROOT,
+    proc = subprocess.run([PY, "-m", "bench.suite.build_memory", "--only", "meta", "--json", str(out), *args], cwd=ROOT,
                           env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-
-from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("smoke", [False, True], ids=["gpu", "smoke"])
 def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_path, monkeypatch, smoke):
-    """bench/gpu_check.py's schedule, with stages that only record when they run: on a GPU the result stages run
+    """bench/check/gpu.py's schedule, with stages that only record when they run: on a GPU the result stages run
     together (each must meet the others at a barrier), their processes with a share of the cores, and beside them
     the compiling stages' warm-ups (each meeting them too), all ended before the timed ones start one at a time
     with every core; the smoke runs them all at once but imagefolder after resnet50 and memory last.
@@ -20,10 +17,10 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
     exercised on the GPU, whose minutes are few.)"""
     import threading
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_check
+    from bench.check import gpu as gpu_check
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(gpu_check, "machine", lambda: {})  # what ran it (git, nvidia-smi: processes) is not asked here
     names = [n for n, _ in gpu_check.STAGES]
     results = [n for n in names if n in gpu_check.AT_ONCE]
     first_at_once = results + (["gpt", "resnet50"] if smoke else [])
@@ -86,12 +83,11 @@ def test_gpu_check_runs_the_result_stages_together_and_the_timed_ones_alone(tmp_
 
 @pytest.mark.parametrize("waits_on", ["stream", "host"])
 def test_a_gpu_trace_tells_a_gpu_waiting_on_another_stream_from_one_the_host_starves(tmp_path, waits_on):
-    """bench/_util.py's trace_summary, which reads the GPU runs' traces (gpu-check, bench/gpu.py --lm), on a Chrome
-    trace written here as torch.profiler writes one on a GPU: two steps of 10 ms, the compute stream (7) busy
+    """bench/common.py's trace_summary, which reads the GPU runs' traces (gpu-check, bench/suite/gpu.py --lm), on a
+    Chrome trace written here as torch.profiler writes one on a GPU: two steps of 10 ms, the compute stream (7) busy
     0-4 ms and 6-10 ms of each. Between, either an all-gather runs on stream 20 (the GPU is busy: compute waits on
     it) or nothing does (the GPU idles: the host was late). FSDP2's hooks, labelled per unit, are summed by kind."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from _util import trace_summary
+    from bench.common import trace_summary
 
     def span(cat, name, ts_ms, dur_ms, **extra):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts_ms * 1000, "dur": dur_ms * 1000, **extra}

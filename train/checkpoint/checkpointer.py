@@ -98,7 +98,7 @@ class Checkpointer:
         self._stager: DefaultStager | None = None  # checkpoint.async's host copy, made the first time
         self._staging: futures.Future | None = None  # that copy being made, for the next optimizer step
         self._gate_handle = None  # the optimizer step's pre-hook that waits for it
-        self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/checkpoint.py)
+        self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/suite/checkpoint.py)
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
 
     # ---- saving
@@ -154,7 +154,7 @@ class Checkpointer:
 
     def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
         """This process's checkpoint writer: one daemon thread, started at the first asynchronous save and
-        reused (a thread started per save cost the training thread ~8 ms here: bench/checkpoint.py)."""
+        reused: a thread started per save costs the training thread its start (docs/dev/design-notes.md)."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
 
@@ -187,7 +187,7 @@ class Checkpointer:
         """What an asynchronous save copies the tensors into: host memory allocated at the first save and
         reused by every later one (pinned on a GPU; shared with DCP's process when it writes from one), at
         the cost of one more copy of this rank's state in host memory. A fresh allocation each save cost more
-        than the copy itself (bench/checkpoint.py). The copy runs in the writer thread while the next step's
+        than the copy itself (bench/suite/checkpoint.py). The copy runs in the writer thread while the next step's
         forward and backward run (_gate); on a GPU it is queued on the default stream, after the step.
         Where torch's stager cannot be reused (stager_reusable: torch 2.11's), a fresh one each save."""
         if self._stager is None or not stager_reusable():

@@ -1,7 +1,8 @@
 """One prepared check of a GPU machine, in minutes: `make gpu-check OUT=dir` (`SMOKE=1`: the same stages at toy sizes
-on the CPU, seconds each, so the script is known to work before a GPU is there).
+on the CPU, seconds each, so the script is known to work before a GPU is there). An acceptance check, not a
+benchmark: it says whether the template works and keeps its speed on that machine.
 
-    python bench/gpu_check.py OUT_DIR [--smoke] [--budget-s 300]
+    python -m bench gpu-check OUT_DIR [--smoke] [--budget-s 300] [--only STAGE,...] [--tests K]
 
 Stages, in order of value; each writes OUT_DIR/gpu_check.json again as soon as it ends, so a run cut short keeps what
 it measured (a stage that fails records its error and the next one runs). The three that check results, not speed
@@ -11,21 +12,22 @@ warm-ups, untimed): torch.compile's cache on disk then holds their kernels, and 
 not minutes (a compiled ResNet-18 through `python -m train` on this 2-core CPU: 35.5 s cold, 6.2 s warm). The
 smoke times nothing: all its stages and warm-ups run at once (53 s on 2 idle cores):
   tests         the gpu-marked tests (pytest -m gpu)
-  gpt           GPT-2 124M, 16 x 1024 tokens, bf16, compile: `python -m train` against a bare loop of the same model
-                and optimizer (train/optim.py's AdamW) in the same run; tokens/s, MFU, peak memory
+  gpt           GPT-2 124M, 16 x 1024 tokens, bf16, compile: `python -m train` against the bare loop of the same model,
+                loss and hyper-parameters (bench/baselines/gpt.py) in the same run; tokens/s, MFU, peak memory
   stop_relaunch a run stopped by SIGTERM and relaunched equals one that never stopped, bit for bit, on the device,
                 under DDP and FSDP, with an asynchronous save at every step (several in a row)
   hf            the Hugging Face task: a tiny Llama made here (transformers), FSDP, bf16, task.init_from; a stop and a
                 relaunch with the losses of a run that never stopped; exported and reloaded by transformers
-  fsdp_vs_ddp   bench/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's (also FSDP with
+  fsdp_vs_ddp   bench/suite/gpu.py --lm on one GPU, 16 x 1024, compile: FSDP's tokens/s against DDP's (also FSDP with
                 the model compiled alone, its loss eager), each with a trace of 3 steps: host, streams, FSDP2's hooks
   resnet50      ResNet-50, 224 px, bf16, channels_last through `python -m train`, without and with compile
   imagefolder   an ImageFolder of JPEGs made at start, through `python -m train` with the machine's cores: data wait
                 and images/s against the GPU's (the resnet50 stage's)
   memory        the peak memory of each run above
 Nothing is installed: it runs on the machine's own torch (2.11 or newer); a stage whose package is missing (pytest,
-transformers) says so and is skipped. `python bench/run_all.py --gpu-json OUT_DIR/gpu_check.json` puts the figures in
-BENCHMARKS.md. gpu_check.json's `seconds` is the whole check's time so far (the goal: 300 s on one H100 or H200).
+transformers) says so and is skipped. `python -m bench all --gpu-json OUT_DIR/gpu_check.json` (`--gpu-only`: only
+that table) puts the figures in BENCHMARKS.md. gpu_check.json's `seconds` is the whole check's time so far (the
+goal: 300 s on one H100 or H200).
 """
 
 from __future__ import annotations
@@ -44,12 +46,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from _util import log_time, trace_summary  # noqa: E402
+from bench.common import PY, ROOT, log_time, trace_summary
 
-PY = sys.executable
 LAUNCH = [PY, "-m", "train.launch", "--nproc-per-node=1", "--"]  # torchrun, one rank; a SIGTERM is a stop (75)
 QUIET = ["log.wandb.mode=disabled", "log.report=false", "log.progress_bar=never"]
 
@@ -122,8 +120,9 @@ class Skip(Exception):
 def machine() -> dict:
     import torch
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cpus": os.cpu_count(), "host": platform.node()}
+            "cpus": os.cpu_count(), "host": platform.node(), "commit": commit.stdout.strip() or None}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
@@ -239,9 +238,7 @@ def stage_gpt(check: Check, out: Path) -> dict:
     trace = ["profile.enabled=true", f"profile.wait={last}", f"profile.warmup={warmup}", f"profile.active={active}"]
     train(out / "trainer", "configs/gpt.yaml", *common, *trace, timeout=check.left_s())
     rows = [r for r in windows(out / "trainer", skip=2 if not smoke else 1) if r["step"] <= last]
-    bare = run([PY, str(ROOT / "bench" / "gpu_check.py"), str(out), "--bare-gpt", json.dumps(common)],
-               check.left_s())
-    fig = json.loads(bare.stdout.strip().splitlines()[-1])
+    fig = bare_gpt(out / "bare", common, check.left_s())
     trainer = median(rows, "tokens_per_s")
     result = {"trainer_tokens_per_s": trainer, "trainer_mfu": median(rows, "mfu"),
               "trainer_peak_gib": max((r.get("peak_mem_gib", 0) for r in rows), default=None),
@@ -267,66 +264,32 @@ def _gpt_overrides(smoke: bool, steps: int, every: int) -> list[str]:
             "task.eval_tokens=65536" if not smoke else "task.eval_tokens=4096"]
 
 
+def bare_gpt(out: Path, overrides: list[str], timeout: float) -> dict:
+    """bench/baselines/gpt.py in a process of its own: the trainer's model, loss and hyper-parameters in a bare
+    loop, random tokens already on the device (no loader, no logging but rank 0's loss read at each log step, no
+    stop agreement). Read as stage_gpt reads the trainer: the median of the windows of train.log_every steps after
+    two (the compilation), each ending in a wait for the GPU (the loss read)."""
+    from bench.baselines import gpt
+
+    run([PY, "-m", "bench.baselines.gpt", str(out), *overrides], timeout)
+    fig = json.loads((out / "times.json").read_text())
+    every = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.log_every="))
+    tokens_s = gpt.tokens_per_s(fig, every, skip=2)
+    result = {"tokens_per_s": tokens_s, "windows": [round(fig["tokens_per_step"] / w)
+                                                    for w in gpt.windows(fig["times"], every, skip=2)]}
+    if "peak_gib" in fig:
+        from train.observe.metrics import peak_flops
+
+        result["peak_gib"] = fig["peak_gib"]
+        if peak := peak_flops(fig["device"], fig["precision"], True):
+            result["mfu"] = tokens_s * fig["flops_per_token"] / peak
+    return result
+
+
 def warm_gpt(check: Check, out: Path) -> None:
     """Two steps of stage_gpt's trainer run (and its evaluation): the graphs that the bare loop and fsdp_vs_ddp's
     model-alone variant compile too."""
     train(out, "configs/gpt.yaml", *_gpt_overrides(check.smoke, 2, 1), timeout=check.left_s())
-
-
-def bare_gpt(overrides: list[str]) -> dict:
-    """A bare loop of the trainer's model, loss and optimizer (train/optim.py's, optim.fused=auto): random tokens
-    already on the device, no loader, no logging, no stop agreement. Timed as stage_gpt reads the trainer: the
-    median of 4 windows of train.log_every steps after 2 such windows of warm-up, each window ending in a wait for
-    the GPU (where the trainer's log step reads the loss)."""
-    import torch
-
-    from train import config, optim, trainer
-    from train.parallel import wrapping
-
-    cfg = config.load("configs/gpt.yaml", overrides)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(0)
-    task = cfg.task_class(cfg.task, 0)
-    net = wrapping.whole_model(task, device, 0)
-    opt = optim.build(cfg.optim, net)
-    g = task.gpt_config()
-    batch = cfg.train.micro_batch_size
-    x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
-    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-    step_loss = trainer.step_loss_fn(cfg, task, net, device)  # the model and the loss compiled, as the trainer
-
-    def step():
-        step_loss((inp, tgt)).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    every = cfg.train.log_every
-    for _ in range(2 * every):  # as the trainer's first two windows, which stage_gpt leaves out
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    rates = []
-    for _ in range(4):  # windows of log_every steps, each ending in a wait for the GPU as the trainer's log step's
-        t = time.perf_counter()
-        for _ in range(every):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-        rates.append(every * batch * g.block_size / (time.perf_counter() - t))
-    tokens_s = statistics.median(rates)  # the trainer's figure is the median of its windows too
-    fig = {"tokens_per_s": tokens_s, "windows": [round(r) for r in rates]}
-    if cuda:
-        from train.observe.metrics import peak_flops
-
-        fig["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if peak := peak_flops(torch.cuda.get_device_name(), cfg.train.precision, True):
-            fig["mfu"] = tokens_s / g.block_size * task.flops_per_sample(net) / peak
-    return fig
 
 
 def _stopped_and_relaunched(check: Check, run_dir: Path, cmd: list[str], stop_after: int) -> int:
@@ -449,15 +412,15 @@ def stage_hf(check: Check, out: Path) -> dict:
 
 
 # DDP and FSDP at the issue's 16 x 1024, and FSDP with the model compiled alone, its loss eager (as until 7b771c3:
-# is compiling the loss with it what halved FSDP's speed?). bench/gpu.py has more (fsdp_keep, fsdp_b32, ...): each
+# is compiling the loss with it what halved FSDP's speed?). bench/suite/gpu.py has more (fsdp_keep, fsdp_b32, ...): each
 # variant costs the check its compilation and its steps.
 LM_VARIANTS = ("ddp", "fsdp", "fsdp_model")
 
 
 def _lm(check: Check, out: Path, steps: int, trace: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ROOT / "bench" / "gpu.py"),
-           "--lm", "--json", str(out / "lm.json"), "--variants", ",".join(LM_VARIANTS),
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "bench.suite.gpu", "--lm",
+           "--json", str(out / "lm.json"), "--variants", ",".join(LM_VARIANTS),
            *([] if trace else ["--no-trace"]), *(["--smoke"] if check.smoke else ["--compile", "--steps", str(steps)])]
     run(cmd, check.left_s())
     return json.loads((out / "lm.json").read_text())
@@ -468,7 +431,7 @@ def stage_fsdp_vs_ddp(check: Check, out: Path) -> dict:
 
 
 def warm_fsdp_vs_ddp(check: Check, out: Path) -> None:
-    """bench/gpu.py --lm with one timed step and no trace: each variant's compilation. None in the smoke, which
+    """bench/suite/gpu.py --lm with one timed step and no trace: each variant's compilation. None in the smoke, which
     compiles nothing and whose command (--smoke: one step) would be the stage's own."""
     if not check.smoke:
         _lm(check, out, 1, trace=False)
@@ -594,11 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=300, help="stages that would start after this are skipped")
     p.add_argument("--only", help="comma-separated stages to run (default: all, in order)")
     p.add_argument("--tests", metavar="K", help="the tests stage runs the gpu tests that pytest -k K selects")
-    p.add_argument("--bare-gpt", help=argparse.SUPPRESS)  # the bare loop, in a process of its own (stage_gpt)
     args = p.parse_args(argv)
-    if args.bare_gpt:
-        print(json.dumps(bare_gpt(json.loads(args.bare_gpt))))
-        return 0
     import torch
 
     if not args.smoke and not torch.cuda.is_available():

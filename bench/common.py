@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: run the project's entry points and read what a run leaves."""
+"""Helpers shared by the benchmarks, baselines, studies and the GPU check: run the project's entry points and read
+what a run leaves."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def env(**extra: str) -> dict:
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
+    """A command that runs `args` (a script, or "-m", a module) on `nproc` local ranks (one: a plain process)."""
     if nproc == 1:
         return [PY, *args]
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
@@ -79,13 +81,13 @@ def spread(values: list[float]) -> dict:
 
 
 def write_json(path: str | None, figures: dict) -> None:
-    """Each benchmark's figures, for bench/run_all.py to put into BENCHMARKS.md."""
+    """Each benchmark's figures, for `python -m bench all` (bench/report.py) to put into BENCHMARKS.md."""
     if path:
         Path(path).write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def end_baseline(rank: int, out: Path, times: list[float]) -> None:
-    """The end of a bare DDP loop (user_ddp.py, bare_gpt.py): rank 0 writes its step times, then every rank
+def end_baseline(rank: int, out: Path, figures: dict) -> None:
+    """The end of a bare DDP loop (bench/baselines/): rank 0 writes its figures to out/times.json, then every rank
     leaves without the interpreter's finalization: DDP's gloo threads outlive destroy_process_group, and one
     that frees a tensor while Python finalizes aborts the process ("terminate called without an active
     exception", SIGABRT: CI saw it once here; train/parallel/distributed.py's exit_process says more)."""
@@ -93,7 +95,7 @@ def end_baseline(rank: int, out: Path, times: list[float]) -> None:
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "times.json").write_text(json.dumps(times))
+        (out / "times.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

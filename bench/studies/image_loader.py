@@ -2,8 +2,8 @@
 (ArrayDataset today: ImageClassification.pixels normalizes them on the device) against float32 ones normalized in
 the workers (what ArrayDataset did before; on an H200 ResNet-50 at 224 px then waited for data 60% of its steps).
 
-    python bench/image_loader.py [--size 224] [--batch 256] [--workers 2] [--batches 12] [--json OUT]
-    python bench/image_loader.py --smoke        # seconds: tiny sizes, a check of the script
+    python -m bench.studies.image_loader [--size 224] [--batch 256] [--workers 2] [--batches 12] [--json OUT]
+    python -m bench.studies.image_loader --smoke        # seconds: tiny sizes, a check of the script
 
 The loader alone (no model): images/s and the bytes of a batch, for each pipeline, the two alternated in rounds
 (min/median/max over rounds: this machine is shared); the first batch of each loader (worker start) is not timed.
@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-from _util import write_json  # noqa: E402
-
-from train import config  # noqa: E402
-from train.parallel import data  # noqa: E402
-from train.tasks import image  # noqa: E402
+from bench.common import write_json
+from train import config
+from train.parallel import data
+from train.tasks import image
 
 
 class FloatPixels(torch.utils.data.Dataset):

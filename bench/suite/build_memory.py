@@ -1,8 +1,8 @@
 """Peak host memory (RSS) per rank while the trainer builds a model, against the model's size M.
 
-    python bench/build_memory.py [--nproc 2] [--layers 16] [--embd 1024] [--strategy fsdp] [--json OUT]
-    python bench/build_memory.py ... --only cpu      # only the model built whole on every rank's CPU first
-    python bench/build_memory.py ... --init-from DIR # then load a HF GPT-2 folder of those sizes (task.init_from)
+    python -m bench.suite.build_memory [--nproc 2] [--layers 16] [--embd 1024] [--strategy fsdp] [--json OUT]
+    python -m bench.suite.build_memory ... --only cpu      # only the model built whole on every rank's CPU first
+    python -m bench.suite.build_memory ... --init-from DIR # then load a HF GPT-2 folder of those sizes (task.init_from)
 
 Each rank runs trainer.build (the model, its sharding and its initial values: train/parallel/wrapping.py)
 on the built-in GPT (vocabulary 256, so that nearly all of M is in the blocks), then reports its peak
@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _util import PY, ROOT, env, write_json  # noqa: E402
+from bench.common import PY, ROOT, env, write_json
 
 
 def status_kib(field: str) -> int:
@@ -104,7 +101,8 @@ def main() -> None:
             if args.only not in (None, name):
                 continue
             out = Path(d) / f"{name}.json"
-            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", __file__,
+            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+                   "-m", "bench.suite.build_memory",
                    "--rank-out", str(out), *(["--cpu-build"] if cpu else []),
                    *(["--save", args.save] if args.save else []),
                    "--config", args.config, f"run.dir={d}/run-{name}", "log.wandb.mode=disabled", "log.report=false",

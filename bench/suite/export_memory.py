@@ -1,6 +1,6 @@
 """Peak host memory (RSS) of `python -m train.export --format hf` against the model's size M.
 
-    python bench/export_memory.py [--layers 16] [--embd 1024] [--max-shard-size 100MB] [--json OUT] [--smoke]
+    python -m bench.suite.export_memory [--layers 16] [--embd 1024] [--max-shard-size 100MB] [--json OUT] [--smoke]
 
 The built-in GPT (by default 16 layers, 1024 wide, the built-in corpus' 64 tokens: 202M parameters, M = 0.75 GiB
 in fp32) is trained one step under FSDP on 2 gloo ranks (python -m train.launch), which saves its checkpoint
@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _util import PY, SMOKE_QUIET, run, write_json  # noqa: E402
+from bench.common import PY, SMOKE_QUIET, run, write_json
 
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "BOOL": 1}
 

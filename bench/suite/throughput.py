@@ -1,6 +1,6 @@
 """CPU throughput: one process against two on the same two cores, and the share of a step spent waiting for data.
 
-    python bench/throughput.py [--steps 30] [--json OUT] [--imagefolder-run RUN_DIR]
+    python -m bench.suite.throughput [--steps 30] [--json OUT] [--imagefolder-run RUN_DIR]
 
 Same cores, split two ways: samples/s of the default job with 1 process of 2 threads and with 2 gloo
 processes of 1 thread each, the same global batch on the same 2 cores. This is not scaling (no hardware
@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _util import SMOKE_QUIET, imagefolder, run, torchrun, train_records, write_json
+from bench.common import SMOKE_QUIET, imagefolder, run, torchrun, train_records, write_json
 
 
 def window_median(run_dir: Path, key: str) -> float:

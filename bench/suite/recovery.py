@@ -1,6 +1,6 @@
 """Recovery time after a worker is SIGKILLed, from the kill to the first training step after the restart.
 
-    python bench/recovery.py [--repeats 3] [--nproc 2] [--model resnet18]
+    python -m bench.suite.recovery [--repeats 3] [--nproc 2] [--model resnet18]
 
 Runs the shared launcher (torchrun, gloo on CPU, --max-restarts=1), kills rank 1 mid-run, and splits
 the time until the restarted group's first step into:
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import ROOT, SMOKE_QUIET, log_time, write_json
+from bench.common import ROOT, SMOKE_QUIET, log_time, write_json
 
 TINY = ["task.image_size=32", "task.train_samples=1024", "task.eval_samples=64", "data.num_workers=0",
         "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1", "train.eval_every=0",

@@ -1,8 +1,8 @@
 """The template's overhead against the DDP loop a user writes, alternated in one run.
 
-    python bench/overhead.py [--rounds 5] [--steps 40] [--json OUT] [--runs-dir DIR]
+    python -m bench.suite.overhead [--rounds 5] [--steps 40] [--json OUT] [--runs-dir DIR]
 
-Speed: `python -m train` (logging every 10 steps, a checkpoint at the end) against bench/user_ddp.py (the
+Speed: `python -m train` (logging every 10 steps, a checkpoint at the end) against bench/baselines/resnet.py (the
 tutorial loop: torchvision ImageFolder and transforms, DistributedSampler, a plain torchvision ResNet-18,
 the same DDP settings), both with 2 gloo processes on CPU, reading the same ImageFolder of 32 px PNG files
 with the same batch, workers and transforms. Each round runs both, in alternating order (the first of a
@@ -10,8 +10,8 @@ pair warms the page cache for the second). Per round: the time per step after th
 ratio train/user. Reported: min, median and max of the per-round ratios. The goal (at most 1.02) counts
 as met only when the median is below it by more than the spread (max - min): these machines are noisy.
 
-Same math: bench/bare_ddp.py (the project's data set, sampler and model in a hand-written loop) with the
-arguments of the first round's `python -m train`: are the final weights bitwise equal? (The template adds
+Same math: bench/baselines/resnet.py --same-math (the project's data set, sampler and model in the same loop) with
+the arguments of the first round's `python -m train`: are the final weights bitwise equal? (The template adds
 no numerical difference.)
 """
 
@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from _util import PY, ROOT, SMOKE_QUIET, imagefolder, run, spread, torchrun, train_records, write_json
 
-sys.path.insert(0, str(ROOT))
-from train.checkpoint import dcp_io  # noqa: E402
+from bench.common import PY, SMOKE_QUIET, imagefolder, run, spread, torchrun, train_records, write_json
+from train.checkpoint import dcp_io
 
 GOAL = 1.02
 
@@ -40,8 +38,8 @@ def per_step(times: list[tuple[int, float]], first: int) -> float:
 
 
 def bitwise_equal(bare_dir: Path, ours_dir: Path, args: list[str]) -> bool:
-    """bench/bare_ddp.py with the arguments `python -m train` ran with in ours_dir: the same final weights?"""
-    run(torchrun(2, "bench/bare_ddp.py", str(bare_dir), *args))
+    """The same-math bare loop with the arguments `python -m train` ran with in ours_dir: the same final weights?"""
+    run(torchrun(2, "-m", "bench.baselines.resnet", str(bare_dir), "--same-math", *args))
     latest = (ours_dir / "checkpoints" / "latest").read_text().strip()
     a = dcp_io.read_state(ours_dir / "checkpoints" / latest, keys=("model",))["model"]
     b = torch.load(bare_dir / "model.pt", weights_only=True)
@@ -55,7 +53,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="seconds: tiny images, few steps, one round")
     p.add_argument("--json")
     p.add_argument("--runs-dir", help="write the runs here and keep them (default: a temporary folder); "
-                   "run_all.py --smoke reads its ImageFolder figures from the first round's python -m train")
+                   "`python -m bench all --smoke` reads its ImageFolder figures from the first round's python -m train")
     args = p.parse_args()
     steps, size, per_class, first, quiet = args.steps, 32, 128, 10, []
     if args.smoke:
@@ -74,16 +72,14 @@ def main() -> None:
         folder = imagefolder(d / "imgs", per_class, size=size)
         for r in range(args.rounds):
             user_dir, ours_dir = d / f"user{r}", d / f"ours{r}"
-            commands = {
-                "user": torchrun(2, "bench/user_ddp.py", str(user_dir), str(folder), f"--steps={steps}",
-                                 f"--micro-batch={micro}", f"--image-size={size}", f"--workers={workers}",
-                                 f"--lr={lr}"),
-                "train": torchrun(2, "-m", "train", "--config", "configs/default.yaml", *common,
-                                  "task.data=imagefolder", f"task.path={folder}", f"run.dir={ours_dir}"),
-            }
+            data = ["task.data=imagefolder", f"task.path={folder}"]
+            commands = {"user": torchrun(2, "-m", "bench.baselines.resnet", str(user_dir), *common, *data),
+                        "train": torchrun(2, "-m", "train", "--config", "configs/default.yaml", *common, *data,
+                                          f"run.dir={ours_dir}")}
             for name in (["user", "train"] if r % 2 == 0 else ["train", "user"]):
                 run(commands[name])
-            user_t.append(per_step(list(enumerate(json.loads((user_dir / "times.json").read_text()), start=1)), first))
+            user = json.loads((user_dir / "times.json").read_text())["times"]
+            user_t.append(per_step(list(enumerate(user, start=1)), first))
             ours_t.append(per_step([(rec["step"], rec["time"]) for rec in train_records(ours_dir)], first))
             ratios.append(ours_t[-1] / user_t[-1])
             print(f"round {r + 1}: user loop {user_t[-1]:.4f} s/step, python -m train {ours_t[-1]:.4f} s/step, "

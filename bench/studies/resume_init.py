@@ -1,6 +1,6 @@
 """What a relaunch saves by drawing no random init for what it loads (train/trainer.py: _loaded_whole).
 
-    python bench/resume_init.py [--layers 16] [--embd 1024] [--repeats 3]
+    python -m bench.studies.resume_init [--layers 16] [--embd 1024] [--repeats 3]
 
 The built-in GPT (by default 16 layers, 1024 wide, GPT-2's vocabulary: 254M parameters) is built on the meta
 device and given its memory and values as the trainer's build does (wrapping.materialize): a fresh run draws
@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Checkpoint cost, 2 ranks (DDP or FSDP, gloo), measured side by side in one run (alternating order, medians).
 
-    python bench/checkpoint.py [--model resnet50] [--strategy ddp|fsdp] [--repeats 7] [--dir /tmp/x]
+    python -m bench.suite.checkpoint [--model resnet50] [--strategy ddp|fsdp] [--repeats 7] [--dir /tmp/x]
                                [--async-type thread|process]
 
 Runs itself under torchrun (2 processes). Rank 0 prints the figures; the time of one of our operations is
@@ -31,16 +31,16 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _util import torchrun, write_json  # noqa: E402
-
-from train import config, optim  # noqa: E402
-from train.checkpoint import checkpointer, dcp_io  # noqa: E402
-from train.parallel import wrapping  # noqa: E402
-from train.parallel.distributed import exit_process  # noqa: E402
+from bench.common import ROOT, torchrun, write_json
+from train import config, optim
+from train.checkpoint import checkpointer, dcp_io
+from train.checkpoint.resume import agree
+from train.checkpoint.state import TrainState
+from train.parallel import wrapping
+from train.parallel.distributed import exit_process
 
 
 class _Quiet:
@@ -50,9 +50,9 @@ class _Quiet:
     warning = info
 
 
-def make_parts(name: str, strategy: str = "ddp"):
-    """A Checkpointer's view of a run: the model wrapped as dist.strategy says (train/parallel/wrapping.py), its
-    optimizer, and the trainer's counters."""
+def make_state(name: str, strategy: str = "ddp"):
+    """What a Checkpointer saves of a run (TrainState: the model, wrapped as dist.strategy says by
+    train/parallel/wrapping.py, its optimizer, the trainer's counters), and the wrapped model that trains."""
     cfg = config.load(None, [f"task.model={name}", "task.num_classes=1000", "task.image_size=224",
                              "checkpoint.keep=3", "dist.timeout_s=600", f"dist.strategy={strategy}"])
     task = cfg.task_class(cfg.task, cfg.seed)
@@ -62,11 +62,9 @@ def make_parts(name: str, strategy: str = "ddp"):
     position = {"epoch": 0, "samples_in_epoch": 0, "world_size": 2}
     stream = SimpleNamespace(state_dict=lambda: dict(position), load_state_dict=position.update, epoch=0,
                              samples_in_epoch=0)
-    parts = SimpleNamespace(raw=net, wrapped=wrapped, optimizer=opt,
-                            scaler=torch.amp.GradScaler("cpu", enabled=False), stream=stream, step=0,
-                            device=torch.device("cpu"), window_loss=torch.zeros(()), window_steps=0,
-                            eval_pending=False)
-    return cfg, parts
+    state = TrainState(model=net, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False), data=stream,
+                       device=torch.device("cpu"), window_loss=torch.zeros(()))
+    return cfg, state, wrapped
 
 
 def whole_state(cfg, x: torch.Tensor):
@@ -97,7 +95,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     if "RANK" not in os.environ:  # start the 2 ranks
-        sys.exit(subprocess.run(torchrun(2, __file__, *sys.argv[1:])).returncode)
+        sys.exit(subprocess.run(torchrun(2, "-m", "bench.suite.checkpoint", *sys.argv[1:]), cwd=ROOT).returncode)
     if args.smoke:
         args.model, args.repeats = "resnet18", 1
     dcp_io.ASYNC_TYPE = dcp_io.dcp.state_dict_saver.AsyncCheckpointerType(args.async_type)
@@ -107,12 +105,12 @@ def main() -> None:
     dist.broadcast_object_list(root)
     root = Path(root[0])
     root.mkdir(parents=True, exist_ok=True)
-    cfg, parts = make_parts(args.model, args.strategy)
+    cfg, parts, wrapped = make_state(args.model, args.strategy)
     gc.freeze()  # as train/trainer.py does once the parts are built
     x = torch.randn(4, 3, 64, 64)
 
     def train_step():
-        parts.wrapped(x).sum().backward()
+        wrapped(x).sum().backward()
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
 
@@ -145,7 +143,7 @@ def main() -> None:
         plain_opt.load_state_dict(loaded["optimizer"])
 
     def resume(ckpt):  # the figure is only worth something if the checkpoint did load
-        if not ckpt.resume(parts) or ckpt.resumed_from is None or parts.step != i + 1:
+        if not ckpt.resume(parts, agree(ckpt.cfg, rank, 2)) or ckpt.resumed_from is None or parts.step != i + 1:
             raise SystemExit(f"bench: the resume did not load step {i + 1}")
 
     def still_writing() -> bool:  # every rank steps as long as any rank's write runs: DDP steps together

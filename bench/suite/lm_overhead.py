@@ -1,13 +1,14 @@
 """The template's overhead on the language model against a nanoGPT-style DDP loop, alternated in one run.
 
-    python bench/lm_overhead.py [--rounds 7] [--steps 60] [--json OUT]
+    python -m bench.suite.lm_overhead [--rounds 7] [--steps 60] [--json OUT]
 
 Speed: `python -m train --config configs/gpt.yaml` (the tiny GPT, 0.8M parameters, 128-token windows,
 micro-batch 16 on each of 2 ranks, AdamW, clipping; logging every 10 steps, W&B and the report off, no
-checkpoint but the final one, evaluation only at the end) against bench/bare_gpt.py (nanoGPT's loop: its
-own np.memmap data path and random windows, the same GPT from train/tasks/gpt_model.py, the same hyper-parameters
-and DDP settings), both with 2 gloo processes on CPU, reading the same tokens (the built-in corpus written
-once as nanoGPT's train.bin and val.bin). Each round runs both, in alternating order.
+checkpoint but the final one, evaluation only at the end) against bench/baselines/gpt.py (nanoGPT's loop: its
+own np.memmap data path and random windows, the same GPT from train/tasks/gpt_model.py, the same overrides of
+configs/gpt.yaml, so the same hyper-parameters, and DDP settings), both with 2 gloo processes on CPU, reading the
+same tokens (the built-in corpus written once as nanoGPT's train.bin and val.bin).
+Each round runs both, in alternating order.
 
 Per round, each loop's time per step: the median over the log windows of 10 steps after the first window
 (each window holds one log step; start-up, the first window and what follows the last step, the final
@@ -26,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from _util import PY, ROOT, SMOKE_QUIET, run, spread, torchrun, train_records, write_json
+
+from bench.common import PY, SMOKE_QUIET, run, spread, torchrun, train_records, write_json
 
 GOAL = 1.02
 
@@ -40,9 +42,6 @@ def windows(times: dict[int, float], first: int, every: int, last: int) -> tuple
 
 def corpus(folder: Path, train_tokens: int, eval_tokens: int) -> Path:
     """The built-in corpus of configs/gpt.yaml (seed 0), as nanoGPT's train.bin and val.bin."""
-    import sys
-
-    sys.path.insert(0, str(ROOT))
     from train.tasks.gpt import builtin_tokens
 
     folder.mkdir(parents=True)
@@ -69,20 +68,16 @@ def main() -> None:
         data = corpus(d / "tokens", 1_000_000 if not args.smoke else 50_000, 16_384 if not args.smoke else 4096)
         for r in range(args.rounds):
             bare_dir, ours_dir = d / f"bare{r}", d / f"ours{r}"
-            commands = {
-                "bare": torchrun(2, "bench/bare_gpt.py", str(bare_dir), str(data), f"--steps={steps}",
-                                 f"--micro-batch={micro}", f"--model={model}", f"--vocab-size={vocab}",
-                                 f"--seq-len={seq}", f"--lr={lr}", f"--log-every={every}"),
-                "train": torchrun(2, "-m", "train", "--config", "configs/gpt.yaml", f"task.data={data}",
-                                  "task.format=nanogpt", f"task.model={model}", f"task.vocab_size={vocab}",
-                                  f"task.seq_len={seq}", f"optim.lr={lr}", f"train.steps={steps}",
-                                  f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}",
-                                  f"train.log_every={every}", "train.eval_every=0", "checkpoint.every=0",
-                                  f"run.dir={ours_dir}", *quiet),
-            }
+            common = [f"task.data={data}", "task.format=nanogpt", f"task.model={model}", f"task.vocab_size={vocab}",
+                      f"task.seq_len={seq}", f"optim.lr={lr}", f"train.steps={steps}",
+                      f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}",
+                      f"train.log_every={every}", "train.eval_every=0", "checkpoint.every=0", *quiet]
+            commands = {"bare": torchrun(2, "-m", "bench.baselines.gpt", str(bare_dir), f"--data={data}", *common),
+                        "train": torchrun(2, "-m", "train", "--config", "configs/gpt.yaml", *common,
+                                          f"run.dir={ours_dir}")}
             for name in (["bare", "train"] if r % 2 == 0 else ["train", "bare"]):
                 run(commands[name])
-            bare = dict(enumerate(json.loads((bare_dir / "times.json").read_text()), start=1))
+            bare = dict(enumerate(json.loads((bare_dir / "times.json").read_text())["times"], start=1))
             ours = {rec["step"]: rec["time"] for rec in train_records(ours_dir)}
             (b, b_span), (o, o_span) = windows(bare, every, every, steps), windows(ours, every, every, steps)
             bare_t.append(b)

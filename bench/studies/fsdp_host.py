@@ -1,7 +1,7 @@
 """FSDP's host time a step, on one CPU process: what the Python of FSDP2's hooks costs where the model's own work
 is negligible (a GPT of 12 blocks, 32 wide), against the same model unwrapped (one process's DDP strategy).
 
-    python bench/fsdp_host.py [--steps 40] [--layers 12] [--smoke]
+    python -m bench.studies.fsdp_host [--steps 40] [--layers 12] [--smoke]
 
 On a GPU the host queues a step while the GPU runs the one before: this time is hidden as long as it stays under
 the GPU's time a step (GPT-2 124M at 16 x 1024 on an H200: about 37 ms), and is the step's time once above it.
@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from train import config, trainer  # noqa: E402
-from train.parallel import wrapping  # noqa: E402
+from bench.common import ROOT
+from train import config, trainer
+from train.parallel import wrapping
 
 VARIANTS = ("model", "fsdp")
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "gpt.yaml")
+CONFIG = str(ROOT / "configs" / "gpt.yaml")
 
 
 def timed(variant: str, layers: int, steps: int) -> dict:

@@ -1,6 +1,6 @@
 """What naming a hung rank costs (train/parallel/hang.py): its set-up on against off, alternated in one run.
 
-    python bench/hang_cost.py [--rounds 5] [--steps 60] [--collectives 2000]
+    python -m bench.studies.hang_cost [--rounds 5] [--steps 60] [--collectives 2000]
 
 On is what the launcher gives the workers: the flight recorder (TORCH_FR_BUFFER_SIZE=2000) and each rank's
 answering thread (blocked on the store); off is TORCH_FR_BUFFER_SIZE=0 and TRAIN_HANG_REPORT=0.
@@ -19,8 +19,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from _util import PY, SMOKE_QUIET, run, spread, torchrun, train_records, write_json
-from overhead import per_step
+from bench.common import PY, SMOKE_QUIET, run, spread, torchrun, train_records, write_json
+from bench.suite.overhead import per_step
 
 GOAL = 1.01
 ON = {"TORCH_FR_BUFFER_SIZE": "2000", "TRAIN_HANG_REPORT": "1"}

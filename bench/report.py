@@ -1,10 +1,12 @@
-"""Run every benchmark and write BENCHMARKS.md: `make bench` (or `--smoke`: seconds each, as CI does).
+"""Run every benchmark of bench/suite/ and write BENCHMARKS.md: `make bench` (or `--smoke`: seconds each, as CI does).
 
-    python bench/run_all.py [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE [--gpu-only]]
+    python -m bench all [--smoke] [--out BENCHMARKS.md] [--gpu-json FILE [--gpu-only]]
 
-The GPU figures come from bench/gpu.py where a GPU is present, or from --gpu-json: the JSON that
-`bench/gpu.py --json` wrote on a GPU machine, or `make gpu-check`'s gpu_check.json (a GPU table of its own, the
-GPU, driver, torch and CUDA named); otherwise they are marked as not measured.
+The GPU figures: bench/suite/gpu.py's where a GPU is present (the smoke: on the CPU), or --gpu-json's: the JSON that
+`python -m bench.suite.gpu --json` wrote on a GPU machine, or `make gpu-check`'s gpu_check.json (a GPU table of its
+own, the GPU, driver, torch and CUDA named). Without a GPU or --gpu-json, the GPU table is the last `make gpu-check`
+kept in docs/dev/gpu/ (the newest file by name: they are dated), named with the commit that added it; the page's head
+says which.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import PY, ROOT
+from bench.common import PY, ROOT
 
 BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "export_memory",
            "fsdp_run_memory", "gpu"]
-# --smoke: throughput.py's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead.py's.
+# --smoke: throughput's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead's.
 SHARED = {"overhead": ("--runs-dir", "overhead"), "throughput": ("--imagefolder-run", "overhead/ours0")}
 
 # (figure, key, goal text, is the goal met?)
@@ -97,8 +99,9 @@ ROWS = [
      lambda v: v >= 0.40),
 ]
 
+GPU_SUITE_ROWS = [row for row in ROWS if row[0].startswith("GPU: ")]  # bench/suite/gpu.py's
 
-# `make gpu-check`'s JSON (bench/gpu_check.py): (stage, key, figure, goal text, is the goal met?)
+# `make gpu-check`'s JSON (bench/check/gpu.py): (stage, key, figure, goal text, is the goal met?)
 GPU_ROWS = [
     ("gpt", "trainer_tokens_per_s", "GPT-2 124M, 16 x 1024, bf16, compile: python -m train, tokens/s", "", None),
     ("gpt", "bare_tokens_per_s", "  a bare loop of the same model and optimizer, tokens/s", "", None),
@@ -133,7 +136,7 @@ GPU_ROWS = [
 def gpu_check_lines(check: dict, source: str) -> list[str]:
     """BENCHMARKS.md's GPU table from gpu_check.json: the machine named, a row per figure, each stage's verdict."""
     m, stages = check.get("machine", {}), check.get("stages", {})
-    lines = ["", f"## GPU (`make gpu-check`, from {source})", "",
+    lines = ["", f"## GPU (`make gpu-check`, from {relative(source)})", "",
              f"- GPU: {m.get('gpu')} x {m.get('gpus', 0)}, driver {m.get('driver')}; torch {m.get('torch')}, "
              f"CUDA {m.get('cuda')}, Python {m.get('python')}, {m.get('cpus')} CPUs"
              + (" **Smoke run on the CPU: the figures mean nothing.**" if check.get("smoke") else ""), "",
@@ -165,6 +168,35 @@ def gpu_check_lines(check: dict, source: str) -> list[str]:
     return lines
 
 
+GPU_KEPT = ROOT / "docs" / "dev" / "gpu"  # make gpu-check's JSON files, kept: YYYY-MM-DD-<gpu>[-what].json
+
+
+def relative(source: str) -> Path:
+    """A path under the repository as the repository names it (docs/dev/gpu/...); another as given."""
+    path = Path(source).resolve()
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else Path(source)
+
+
+def kept_gpu_check() -> Path | None:
+    """The newest make gpu-check JSON kept in docs/dev/gpu/ (their names begin with the date), or None."""
+    files = sorted(GPU_KEPT.glob("*.json"))
+    return files[-1] if files else None
+
+
+def gpu_source(check: dict, source: str) -> str:
+    """Where a gpu_check.json comes from: the GPU, the file, the commit it measured (recorded since this page said
+    so) and, for a file in git, the commit that added it and its date."""
+    rel = relative(source)
+    said = f"`make gpu-check` on {check.get('machine', {}).get('gpu')}, from {rel}"
+    if measured := check.get("machine", {}).get("commit"):
+        said += f", measured at commit {measured}"
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%h %ad", "--date=short", "--", str(rel)],
+                           cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if len(added) >= 2:
+        said += f" (added in {added[-2]} on {added[-1]})"
+    return said
+
+
 def gpu_table_only(out: Path, source: str | None) -> int:
     """BENCHMARKS.md with its GPU table (from make gpu-check's JSON) written again, the rest as it was."""
     if not source:
@@ -174,7 +206,8 @@ def gpu_table_only(out: Path, source: str | None) -> int:
     lines = out.read_text().splitlines()
     head = next((i for i, line in enumerate(lines) if line.startswith("## GPU (`make gpu-check`")), None)
     tail = next(i for i, line in enumerate(lines) if line.startswith("![ratios"))
-    keep = lines[:head - 1 if head is not None else tail - 1]
+    keep = [f"- GPU figures: the GPU table below, {gpu_source(check, source)}" if line.startswith("- GPU figures:")
+            else line for line in lines[:head - 1 if head is not None else tail - 1]]
     out.write_text("\n".join([*keep, *gpu_check_lines(check, source), "", *lines[tail:], ""]))
     print(f"wrote the GPU table of {out}")
     return 0
@@ -211,35 +244,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    p.add_argument("--gpu-json", help="figures from `bench/gpu.py --json` or `make gpu-check` on a GPU machine")
+    p.add_argument("--gpu-json", help="figures from `python -m bench.suite.gpu --json` or `make gpu-check` on a GPU "
+                   "machine (default without a GPU: the newest make gpu-check JSON in docs/dev/gpu/)")
     p.add_argument("--gpu-only", action="store_true", help="with --gpu-json FILE from make gpu-check: only "
                    "BENCHMARKS.md's GPU table is written again (the CPU figures are kept; nothing runs)")
     args = p.parse_args()
     if args.gpu_only:
         return gpu_table_only(Path(args.out), args.gpu_json)
     figures: dict = {}
-    gpu_check: dict | None = None
-    gpu_note = "measured here"
+    gpu_check, gpu_json, gpu_notes = None, args.gpu_json, []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-") as d:
         for name in BENCHES:
-            if name == "gpu" and args.gpu_json:
-                given = json.loads(Path(args.gpu_json).read_text())
+            if name == "gpu" and gpu_json:
+                given = json.loads(Path(gpu_json).read_text())
                 if "stages" in given:  # make gpu-check's: a table of its own
                     gpu_check = given
-                    gpu_note = f"the GPU table below, from {args.gpu_json}"
-                else:  # bench/gpu.py --json's figures
+                else:  # python -m bench.suite.gpu --json's figures
                     figures |= given
-                    gpu_note = f"from {args.gpu_json}"
+                    gpu_notes.append(f"bench/suite/gpu.py's, from {gpu_json} ({given.get('device')})")
                 continue
             if name == "gpu" and not args.smoke:
                 import torch
 
                 if not torch.cuda.is_available():
-                    gpu_note = "not measured: no GPU on this machine (run bench/gpu.py where one is)"
                     continue
             out = Path(d) / f"{name}.json"
-            cmd = [PY, str(ROOT / "bench" / f"{name}.py"), "--json", str(out), *(["--smoke"] if args.smoke else [])]
+            cmd = [PY, "-m", f"bench.suite.{name}", "--json", str(out), *(["--smoke"] if args.smoke else [])]
             if args.smoke and name in SHARED:  # one launch fewer: the same run at smoke size
                 cmd += [SHARED[name][0], str(Path(d) / SHARED[name][1])]
             print(f"+ {' '.join(cmd)}", flush=True)
@@ -249,6 +280,13 @@ def main() -> None:
             print(f"  ({time.time() - t:.0f} s, {c2.ru_utime + c2.ru_stime - c.ru_utime - c.ru_stime:.0f} s of CPU)",
                   flush=True)
             figures |= json.loads(out.read_text())
+            if name == "gpu":
+                gpu_notes.append(f"bench/suite/gpu.py's, measured here ({figures.get('device')})")
+    if gpu_check is None and not gpu_json and (kept := kept_gpu_check()):  # no GPU here: the last check kept
+        gpu_check, gpu_json = json.loads(kept.read_text()), str(kept)
+    if gpu_check is not None:
+        gpu_notes.append(f"the GPU table below, {gpu_source(gpu_check, gpu_json)}")
+    measured_gpu_rows = any(key in figures for _, key, _, _ in GPU_SUITE_ROWS)
     import torch
     import torchvision
 
@@ -258,7 +296,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     lines = [
         "# Benchmarks", "",
-        f"Written by `python bench/run_all.py{' --smoke' if args.smoke else ''}` (`make bench`) on "
+        f"Written by `python -m bench all{' --smoke' if args.smoke else ''}` (`make bench`) on "
         f"{time.strftime('%Y-%m-%d %H:%M')}." + (" **Smoke run: tiny sizes, the figures mean nothing.**"
                                                  if args.smoke else ""), "",
         f"- machine: {socket.gethostname()}, {platform.platform()}, {os.cpu_count()} CPUs",
@@ -266,10 +304,13 @@ def main() -> None:
         f"torchvision {torchvision.__version__}, commit {commit.stdout.strip() or 'unknown'}",
         f"- load average (1, 5, 15 min) before / after: {', '.join(f'{x:.1f}' for x in load_before)} / "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (other jobs slow rounds unevenly)",
-        f"- GPU figures: {gpu_note}" + (f" ({figures['device']})" if "device" in figures else ""), "",
+        "- GPU figures: " + ("; ".join(gpu_notes) or "not measured: no GPU here, no --gpu-json and no make gpu-check "
+                                                   "JSON in docs/dev/gpu/"), "",
         "| figure | value | goal | met |", "| --- | --- | --- | --- |",
     ]
     for label, key, goal, check in ROWS:
+        if key not in figures and (label, key, goal, check) in GPU_SUITE_ROWS and not measured_gpu_rows:
+            continue  # bench/suite/gpu.py did not run: the GPU's figures are the GPU table's, or none
         if key not in figures:
             lines.append(f"| {label} | not measured | {goal} | |")
             continue
@@ -284,7 +325,7 @@ def main() -> None:
         lines += ["", "Step-time ratio of each round, in run order (the rounds alternate which loop runs first):", ""]
         lines += [f"- {what}: {', '.join(f'{r:.3f}' for r in values)}" for what, values in rounds]
     if gpu_check is not None:
-        lines += gpu_check_lines(gpu_check, args.gpu_json)
+        lines += gpu_check_lines(gpu_check, gpu_json)
     lines += ["", f"![ratios against their goals]({png.name})", ""]
     out.write_text("\n".join(lines))
     print(f"wrote {out} and {png}")

@@ -1,8 +1,8 @@
 """Start-up cost of the loader workers: from the fork server (train/parallel/data.py, worker_context) against a fork of
 the training process (what the template did before; it can hang: CPython gh-112275).
 
-    python bench/loader_start.py                 # about 5 minutes on 2 CPU cores
-    python bench/loader_start.py --smoke         # seconds: one repeat of each, one run of each
+    python -m bench.studies.loader_start                 # about 5 minutes on 2 CPU cores
+    python -m bench.studies.loader_start --smoke         # seconds: one repeat of each, one run of each
 
 Figures, each min/median/max over alternating repeats (fork, forkserver, fork, ...) in one process:
 1. a new loader's first batch, with 1 and 2 workers, over the tiny built-in evaluation set (16 px), in a
@@ -11,7 +11,7 @@ Figures, each min/median/max over alternating repeats (fork, forkserver, fork, .
    server's first start of a new tensor moves it into shared memory, later starts pass a descriptor;
 3. pickling an ImageNet-sized ImageFolder file list (1,281,167 paths), which every new worker receives;
 4. the wall time of a whole tiny 2-rank run (tests/conftest.py's TINY with data.num_workers=2,
-   train.eval_every=1: 7 evaluations), `python -m train` against bench/_fork_entry.py (the fork).
+   train.eval_every=1: 7 evaluations), `python -m train` against bench/studies/loader_start_fork.py (the fork).
 """
 
 from __future__ import annotations
@@ -21,18 +21,14 @@ import pickle
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from _util import PY, SMOKE_QUIET, run, spread, write_json  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from train import config  # noqa: E402
-from train.parallel import data  # noqa: E402
-from train.tasks import image  # noqa: E402
+from bench.common import PY, SMOKE_QUIET, run, spread, write_json
+from train import config
+from train.parallel import data
+from train.tasks import image
 
 TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "train.global_batch_size=16",
         "train.micro_batch_size=8", "train.log_every=1", "train.steps=6", "checkpoint.every=0",
@@ -113,7 +109,7 @@ def loader_starts(repeats: int, out: dict) -> None:
 
 
 def whole_runs(runs: int, out: dict) -> None:
-    entries = {"fork": ["bench/_fork_entry.py"], "forkserver": ["-m", "train"]}
+    entries = {"fork": ["-m", "bench.studies.loader_start_fork"], "forkserver": ["-m", "train"]}
     times = {k: [] for k in KINDS}
     with tempfile.TemporaryDirectory(prefix="loader-start-") as tmp:
         for i in range(runs):

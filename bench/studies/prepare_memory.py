@@ -1,6 +1,6 @@
 """Peak memory (RSS) of `python -m train.prepare` per token, on a generated corpus and a byte-level BPE made here.
 
-    python bench/prepare_memory.py [--mb 50] [--files 1] [--vocab 8000] [--json OUT]
+    python -m bench.studies.prepare_memory [--mb 50] [--files 1] [--vocab 8000] [--json OUT]
 
 Writes a corpus of --mb MB of random words in sentences and lines (in --files files), trains a byte-level BPE tokenizer
 of --vocab tokens on its first MB (tokenizers', as GPT-2's and Llama 3's are), then runs prepare on it and reports the
@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _util import PY, ROOT, env, write_json  # noqa: E402
+from bench.common import PY, ROOT, env, write_json
 
 IMPORTS = "import numpy, tqdm, tokenizers, torch, train.prepare, train.tasks.shards"
 

@@ -3,8 +3,8 @@ report and the profiler on, and count the runs that did not exit 0.
 
 A finished run must exit 0 every time. This is a stress script, not a test: it prints figures.
 
-    python bench/stress_finish.py --runs 40            # 40 runs, 2 at a time
-    python bench/stress_finish.py --runs 10 --parallel 1 --keep /tmp/stress   # keep the run folders
+    python -m bench.studies.stress_finish --runs 40            # 40 runs, 2 at a time
+    python -m bench.studies.stress_finish --runs 10 --parallel 1 --keep /tmp/stress   # keep the run folders
 
 Each worker runs with PYTHONFAULTHANDLER=1, so a worker that aborts prints every thread's Python stack;
 the last lines of a failed run's output are printed.
@@ -21,8 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import PY, ROOT, env  # noqa: E402
+from bench.common import PY, ROOT, env
 
 TINY = ["task.image_size=16", "task.train_samples=256", "task.eval_samples=64", "data.num_workers=1",
         "train.global_batch_size=16", "train.micro_batch_size=8", "train.log_every=1", "train.steps=4",

@@ -1,18 +1,19 @@
 """GPU training throughput on synthetic data (run it where a GPU is; `--smoke` runs a tiny CPU version).
 
-    python bench/gpu.py [--steps 50] [--json OUT]
+    python -m bench.suite.gpu [--steps 50] [--json OUT]
 
 - ResNet-50, 224x224, batch 256, bf16 autocast, channels_last, with and without torch.compile:
   images/s per GPU, against NVIDIA's published 2,470 images/s for ResNet-50 with AMP on one A100 80GB
   (DeepLearningExamples); the goal on an H100 is at least 1.5x that.
 - ResNet-18 on CIFAR-sized input (32x32, the CIFAR stem), batch 256, bf16, channels_last.
 - The AMP speed-up: ResNet-50 in bf16 against fp32 (TF32 matmuls, the project's default).
-- GPT-2 small (124M, the `gpt2` preset of train/tasks/gpt_model.py), 1024-token windows, micro-batch 16, bf16 autocast,
-  torch.compile, fused AdamW: tokens/s and MFU (nanoGPT's 6N + attention FLOPs per token, against the
+- GPT-2 small (124M, the `gpt2` preset of train/tasks/gpt_model.py) in the bare loop of the GPT
+  (bench/baselines/gpt.py), 1024-token windows, micro-batch 16, bf16 autocast, torch.compile, fused AdamW: tokens/s
+  and MFU (nanoGPT's 6N + attention FLOPs per token, against the
   device's dense bf16 peak); llm.c reports about 40% MFU for it on an H100, the goal here.
 One process, one GPU, the project's model builder; timing with CUDA events after warm-up steps.
 
-    torchrun --nproc-per-node 8 bench/gpu.py --lm [--steps 20] [--micro-batch 8] [--compile] [--json OUT]
+    torchrun --nproc-per-node 8 -m bench.suite.gpu --lm [--steps 20] [--micro-batch 8] [--compile] [--json OUT]
 
 - The language model (GPT-2 small, 124M, windows of 1024 tokens, micro-batch 8 per GPU, bf16, AdamW) wrapped by
   train/parallel/wrapping.py with DDP and with FSDP (dist.strategy): tokens/s over all GPUs and the peak memory of
@@ -25,19 +26,15 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _util import trace_summary, write_json  # noqa: E402
-
-from train.observe.metrics import peak_flops  # noqa: E402
-from train.tasks.gpt import LanguageModel  # noqa: E402
-from train.tasks.image import ImageClassification  # noqa: E402
+from bench.common import trace_summary, write_json
+from train.observe.metrics import peak_flops
+from train.tasks.image import ImageClassification
 
 A100_RESNET50_AMP = 2470.0  # images/s, NVIDIA DeepLearningExamples, 1x A100 80GB, AMP
 
@@ -78,28 +75,25 @@ def images_per_s(name: str, size: int, batch: int, precision: str, compile_: boo
     return batch / seconds_per_step(loss, opt, steps, device, warmup)
 
 
-def gpt_tokens_per_s(preset: str, batch: int, compile_: bool, steps: int, device: torch.device,
-                     warmup: int = 3) -> tuple[float, float | None]:
-    """Tokens/s of the LM task's own model, loss and FLOP count (random tokens: the speed does not depend on
-    them); and the MFU where the device's peak is known."""
-    from train.parallel import wrapping
+def gpt_tokens_per_s(smoke: bool, steps: int) -> dict:
+    """GPT-2 124M (the nano model in the smoke) through the bare loop of the GPT (bench/baselines/gpt.py), in this
+    process: random tokens on the device, 16 x 1024, bf16, compiled with its loss; tokens/s (the median of windows of
+    steps // 5 steps after two such windows) and the MFU where the device's peak is known."""
+    from bench.baselines import gpt
+    from train import config
 
-    task = LanguageModel(LanguageModel.Config(data="shards", model=preset), 0)  # data is never read here
-    net = wrapping.whole_model(task, device, 0)
-    seq, vocab = task.gpt_config().block_size, task.gpt_config().vocab_size
-    opt = torch.optim.AdamW(net.parameters(), lr=6e-4, fused=device.type == "cuda")
-    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
-    batch_ = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
-
-    def loss():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return task.loss(net, batch_)
-
-    # compiled with its loss, as train.compile does (the output layer's softmax and casts fuse with the model)
-    windows_per_s = batch / seconds_per_step(torch.compile(loss) if compile_ else loss, opt, steps, device, warmup)
-    peak = peak_flops(torch.cuda.get_device_name(device), "bf16", True) if device.type == "cuda" else None
-    mfu = windows_per_s * task.flops_per_sample(net) / peak if peak else None
-    return windows_per_s * seq, mfu
+    every = 1 if smoke else max(1, steps // 5)
+    size = ["task.model=nano", "task.seq_len=32", "train.micro_batch_size=2", "train.precision=fp32"] if smoke else \
+        ["task.model=gpt2", "task.seq_len=1024", "task.vocab_size=50304", "train.micro_batch_size=16",
+         "train.precision=bf16", "train.compile=true"]
+    size += [f"train.global_batch_size={2 if smoke else 16}", f"train.steps={4 if smoke else steps + 2 * every}"]
+    cfg = config.load("configs/gpt.yaml", [*size, f"train.log_every={every}"])
+    fig = gpt.train(cfg)
+    out = {"gpt2_tokens_per_s": gpt.tokens_per_s(fig, every, skip=1 if smoke else 2)}
+    peak = peak_flops(fig["device"], fig["precision"], True) if torch.cuda.is_available() else None
+    if peak:
+        out["gpt2_mfu"] = out["gpt2_tokens_per_s"] * fig["flops_per_token"] / peak
+    return out
 
 
 def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, warmup: int, steps: int,
@@ -137,7 +131,7 @@ def _lm_run(strategy: str, model: str, batch: int, seq: int, compile_: bool, war
         model = torch.compile(wrapped)  # until 7b771c3: FSDP / DDP 0.85 on an H200 then, 0.50 after)
 
         def step_loss(batch):
-            with trainer.autocast(cfg, device):
+            with wrapping.autocast(cfg, device):
                 return task.loss(model, batch)
     g = task.gpt_config()
     x = torch.randint(0, g.vocab_size, (batch, g.block_size + 1), device=device)
@@ -294,10 +288,7 @@ def main() -> None:
     fig["resnet50_fp32"] = images_per_s(name, big, batch, "fp32", False, steps, device, warmup)
     fig["resnet50_bf16_compile"] = images_per_s(name, big, batch, "bf16", not args.smoke, steps, device, warmup)
     fig["resnet18_cifar_bf16"] = images_per_s("resnet18", small, batch, "bf16", False, steps, device, warmup)
-    fig["gpt2_tokens_per_s"], mfu = gpt_tokens_per_s("gpt2" if not args.smoke else "nano", 16 if not args.smoke
-                                                     else 2, not args.smoke, steps, device, warmup)
-    if mfu is not None:
-        fig["gpt2_mfu"] = mfu
+    fig |= gpt_tokens_per_s(args.smoke, steps)
     fig["amp_speedup"] = fig["resnet50_bf16"] / fig["resnet50_fp32"]
     best = max(fig["resnet50_bf16"], fig["resnet50_bf16_compile"])
     fig["vs_a100_published"] = best / A100_RESNET50_AMP

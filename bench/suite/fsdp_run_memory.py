@@ -1,6 +1,6 @@
 """Peak host memory (RSS) per rank over a whole FSDP run, phase by phase, against the model's size M.
 
-    python bench/fsdp_run_memory.py [--nproc 4] [--layers 20] [--embd 1024] [--optim sgd] [--json OUT]
+    python -m bench.suite.fsdp_run_memory [--nproc 4] [--layers 20] [--embd 1024] [--optim sgd] [--json OUT]
 
 A real run (python -m train.launch, dist.strategy=fsdp, gloo on CPU) of the built-in GPT with a few steps, a
 checkpoint save after each, an evaluation after the first and the final one, then the same run with the tiny
@@ -28,11 +28,13 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import ROOT
+
 OUT_VAR = "FSDP_RUN_MEMORY_OUT"  # where the ranks' samplers write (set by main for the run it launches)
 # The phase a frame of the main thread's stack means, innermost first: (file, function) -> phase
 PHASES = {("trainer.py", "build"): "build", ("checkpointer.py", "resume"): "resume",
           ("trainer.py", "train_step"): "step", ("checkpointer.py", "save"): "save",
-          ("checkpointer.py", "save_last"): "save", ("trainer.py", "evaluate"): "eval",
+          ("checkpointer.py", "save_last"): "save", ("evaluation.py", "run"): "eval",
           ("trainer.py", "ranks_in_sync"): "end", ("trainer.py", "fit"): "fit", ("trainer.py", "run"): "run"}
 ORDER = ("start", "build", "resume", "step 1", "save 1", "eval 1", "steps", "saves", "evals", "end")
 
@@ -122,12 +124,10 @@ def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str
     site = work / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(
-        "import os, sys\n"
+        "import os\n"
         f"if os.environ.get({OUT_VAR!r}) and os.environ.get('LOCAL_RANK') is not None:\n"
-        f"    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-        "    import fsdp_run_memory\n"
+        "    from bench.suite import fsdp_run_memory\n"
         f"    fsdp_run_memory.sample_in_rank(os.environ[{OUT_VAR!r}])\n")
-    root = Path(__file__).resolve().parents[1]
     sizes = [] if tiny else [f"task.n_layer={args.layers}", f"task.n_embd={args.embd}", f"task.n_head={args.heads}"]
     steps = args.steps
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={args.nproc}", "--",
@@ -140,9 +140,9 @@ def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str
            "resume=never", *args.overrides]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
     env |= {OUT_VAR: str(out), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([str(site), str(root), *filter(None, [env.get("PYTHONPATH")])])}
+            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])}
     t = time.time()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the {name} run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     print(f"  {name} run: {time.time() - t:.0f} s", flush=True)

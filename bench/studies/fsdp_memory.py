@@ -1,6 +1,6 @@
 """Bytes each rank holds for the language model's parameters, gradients and AdamW state, DDP against FSDP.
 
-    python bench/fsdp_memory.py [--nproc 2] [--model tiny] [--json OUT]
+    python -m bench.studies.fsdp_memory [--nproc 2] [--model tiny] [--json OUT]
 
 On CPU ranks (gloo), counted after one training step (gradients kept): the tensors themselves, as
 train/parallel/wrapping.py wraps the model for dist.strategy=ddp and fsdp; a DTensor counts its local shard. FSDP's
@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from _util import write_json  # noqa: E402
+from bench.common import write_json
 
 
 def local_bytes(t: torch.Tensor) -> int:

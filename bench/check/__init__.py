@@ -1,0 +1,1 @@
+"""Acceptance checks: gpu.py, the prepared check of a GPU machine (`make gpu-check`)."""
