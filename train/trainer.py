@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -327,7 +328,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision
 
 def step_loss_fn(cfg: Config, task: Task, wrapped: nn.Module, device: torch.device) -> Callable[[object], torch.Tensor]:
     """batch -> task.loss(wrapped, batch) under autocast. train.compile compiles the model and the loss together,
-    so that the output layer's softmax and casts fuse with it (docs/dev/benchmark-studies.md). Under DDP the DDP
+    so that the output layer's softmax and casts fuse with it (docs/dev/design-notes.md). Under DDP the DDP
     module itself is compiled and the loss runs eagerly: torch splits a compiled DDP forward at its gradient
     buckets, so that their all-reduce overlaps the backward."""
     compiled = cfg.train.compile
@@ -402,6 +403,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         return 0
     except Exception as e:  # a usage error (ConfigError) goes on to the entry point
         code = _failed(e, cfg, denv, t, "before training began" if meter is None or t is None else t.when())
+        _drop_frames(e)
         if code is None:
             raise
         return code
@@ -424,6 +426,17 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         # while it joins. (By reference count: build's objects are frozen, out of gc's reach.)
         t = meter = ckpt = None
         distributed.teardown()
+
+
+def _drop_frames(e: BaseException | None) -> None:
+    """Clear the locals of the frames an exception's traceback holds (fit's and resume's hold the model) and those
+    of the exceptions it chains: otherwise the model outlives the process group while the exception propagates (see
+    run's `finally`). The traceback still tells file, line and function."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 def _save_failed(e: SaveError, cfg: Config, log: RunLog | None) -> str:

@@ -36,6 +36,7 @@ def rank_main(args: argparse.Namespace, overrides: list[str]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from train import config, trainer
+    from train.checkpoint import resume
     from train.parallel import distributed
 
     cfg = config.load(args.config, overrides)
@@ -49,26 +50,26 @@ def rank_main(args: argparse.Namespace, overrides: list[str]) -> None:
         LanguageModel.model = lambda self: GPT(self.gpt_config())
     trainer.configure_torch(cfg)
     before = status_kib("VmRSS")
-    parts = trainer.build(cfg, denv, device)
+    built = trainer.build(cfg, denv, device, resume.agree(cfg, denv.rank, denv.world_size))
     peak = status_kib("VmHWM")
     row = {"rank": denv.rank, "rss_before_mib": before / 1024, "peak_mib": peak / 1024,
            "increase_mib": (peak - before) / 1024}
-    if source := parts.task.init_from():  # then its weights, as the trainer loads them before the first step
+    if source := built.task.init_from():  # then its weights, as the trainer loads them before the first step
         from train.checkpoint import pretrained
 
-        pretrained.load(parts.raw, parts.task, source, parts.log)
+        pretrained.load(built.state.model, built.task, source, built.log)
         row["load_increase_mib"] = (status_kib("VmHWM") - before) / 1024
-    model_bytes = sum(p.numel() * p.element_size() for p in parts.raw.parameters())  # DTensors: whole shapes
+    model_bytes = sum(p.numel() * p.element_size() for p in built.state.model.parameters())  # DTensors: whole shapes
     rows = [None] * denv.world_size
     dist.all_gather_object(rows, row)
     if args.save:
-        full = get_model_state_dict(parts.raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(built.state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if denv.rank == 0:
             torch.save(full, args.save)
     if denv.rank == 0:
         out = {"model_mib": model_bytes / 2**20, "world": denv.world_size, "ranks": rows}
         Path(args.out).write_text(json.dumps(out))
-    parts.log.close(0)
+    built.log.close(0)
     distributed.teardown()
     distributed.exit_process(0)  # not the interpreter's exit: gloo's threads may outlive the group (SIGABRT)
 

@@ -290,15 +290,26 @@ module.teardown = recorded
 """
 
 
-def test_the_model_is_freed_before_the_process_group(tmp_path):
-    """Two ranks under DDP: no DDP model is left when the trainer destroys the process group. Freed after it (when
-    trainer.run returned), DDP's reducer destroyed the gloo group itself, holding the GIL while it joined gloo's
-    threads, one of which waited for the GIL to free the last all-gather's tensors: torch 2.11 hung after "done"
-    in 8 of 44 runs on a busy 2-core machine, 0 of 48 with the model freed first. This checks the order, which
-    decides it, in every run (the race itself needs a gloo thread paused at the wrong moment)."""
+@pytest.mark.parametrize("end", ["done", "diverged", "refused relaunch"])
+def test_the_model_is_freed_before_the_process_group(tmp_path, end):
+    """Two ranks under DDP: no DDP model is left when the trainer destroys the process group, whether the run ends
+    done, diverged (exit 2, raised in fit) or refused as it resumes (another optimizer: exit 2, raised in the
+    resume). Freed after it (when trainer.run returned, or with an exception's frames holding it), DDP's reducer
+    destroyed the gloo group itself, holding the GIL while it joined gloo's threads, one of which waited for the GIL
+    to free the last all-gather's tensors: torch 2.11 hung after "done" in 8 of 44 runs on a busy 2-core machine, 0
+    of 48 with the model freed first. This checks the order, which decides it, in every run (the race itself needs
+    a gloo thread paused at the wrong moment)."""
     run_dir = tmp_path / "run"
     env = after_import(tmp_path, "train.parallel.distributed", DDP_AT_TEARDOWN)
     env["RUN_DIR_FOR_TEST"] = str(run_dir)
-    run_train(run_dir, "train.steps=2", "train.eval_every=2", nproc=2, env=env)
+    if end == "refused relaunch":
+        run_train(run_dir, "train.steps=2", nproc=2)  # its checkpoint at the end: SGD's state
+        last = run_train(run_dir, "train.steps=4", "optim.name=adamw", nproc=2, env=env, expect=1)  # torchrun's 1
+        assert "does not match the optimizer" in last.stderr, last.stderr[-2000:]
+    elif end == "diverged":
+        last = run_train(run_dir, "train.steps=4", "optim.lr=1e30", nproc=2, env=env, expect=1)  # the ranks' 2
+        assert "training diverged" in last.stderr, last.stderr[-2000:]
+    else:
+        run_train(run_dir, "train.steps=2", "train.eval_every=2", nproc=2, env=env)
     seen = {p.name: p.read_text() for p in run_dir.glob("ddp_at_teardown.*")}
     assert seen == {"ddp_at_teardown.0": "False", "ddp_at_teardown.1": "False"}, seen

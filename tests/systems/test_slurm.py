@@ -263,6 +263,9 @@ def test_a_refused_submission_leaves_none_of_its_files_and_all_that_was_there(tm
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\ntest -f "$1" && echo "$1" >> {tmp_path / "scripts"}\necho "{REFUSAL}" >&2\nexit 1\n')
     fake.chmod(0o755)
+    srun = fake.parent / "srun"  # submitit looks for it before it submits anything: never run here
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
     run_dir, folder = tmp_path / "runs" / "run", []
     if where == "a run dir with files":
         for name, text in [("notes.txt", "mine"), ("submitit/7_submitted.pkl", "an earlier job's"),
