@@ -27,10 +27,12 @@ Nothing this command did not write is deleted or overwritten. An export leaves a
 folder; .NAME.train-export.json beside a pt file) listing its files, so the same export is replaced again
 later; an --out that exists otherwise (a file, a folder that is not empty, an export changed since) is
 refused in one line, exit 2, unless --force. The run directory, a folder holding it, anything in its
-checkpoints or existing in the run beside the exports, and the paths its task started from (task.path,
-task.init_from, its data: any path in the run's task config, and resume=PATH) are refused even with --force
-(compared as real paths: through symlinks). The export is written beside --out first and renamed into
-place: a failure leaves --out as it was.
+checkpoints or existing in the run beside the exports, the paths its task started from (task.path,
+task.init_from, its data: any path in the run's task config, and resume=PATH; a relative one from the directory
+the run was launched in, which its run_info.json records, whatever directory the export runs in), and a folder
+holding another run's checkpoints are refused even with --force (compared as real paths: through symlinks). The
+export is written beside --out first and renamed into place: a failure leaves --out as it was. Every file it
+writes has the umask's mode (0644 under umask 022), as a file open() makes.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from train import config
 from train.checkpoint.dcp_io import Reader, error_text, read_state
 from train.checkpoint.storage import (
+    NAME,
+    OLD_NAME,
     TRAINER,
     complete_checkpoints,
     convert_hint,
@@ -89,7 +93,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out that is not an export of this command (your file or folder, "
                         "deleted once the export is written); never the run directory, its checkpoints or "
-                        "other files, a folder holding them, or the folders the run started from")
+                        "other files, a folder holding them, the folders the run started from, or a folder "
+                        "holding another run's checkpoints")
     return p.parse_args(argv)
 
 
@@ -227,9 +232,23 @@ def trainer_file(path: Path) -> dict:
 # ---------------------------------------------------------------- what --out may replace
 
 
-def sources(cfg: dict) -> list[tuple[str, Path]]:
+def launch_dir(run: Path) -> Path | None:
+    """The working directory the run was launched from, as its run_info.json records it ("cwd", rank 0's, written at
+    each start): the folder the relative paths of its config (kept as typed) start at. None for a run recorded before
+    this was (no "cwd"), or without a readable run_info.json."""
+    try:
+        cwd = json.loads((run / "run_info.json").read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(cwd) if isinstance(cwd, str) and os.path.isabs(cwd) else None
+
+
+def sources(cfg: dict, cwd: Path | None = None) -> list[tuple[str, Path]]:
     """The paths the run started from or read (key, real path): every string of its task config that names an
-    existing file or folder (task.path, task.init_from, task.data, a glob's folder), and resume=PATH."""
+    existing file or folder (task.path, task.init_from, task.data, a glob's folder), and resume=PATH. A relative one
+    starts at `cwd`, the run's launch directory (launch_dir), so that they are the run's paths whatever folder the
+    export runs in; for a run recorded before the launch directory was (cwd None), at this process's working
+    directory, as before (from another folder such a run's relative paths are not protected)."""
     found = []
 
     def visit(key: str, value) -> None:
@@ -243,6 +262,8 @@ def sources(cfg: dict) -> list[tuple[str, Path]]:
             parts = Path(value).parts
             glob = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
             path = Path(*parts[:glob]) if glob else None
+            if path is not None and cwd is not None:
+                path = cwd / path  # an absolute path stays itself
             if path is not None and os.path.lexists(path):
                 found.append((key, path.resolve()))
 
@@ -250,6 +271,20 @@ def sources(cfg: dict) -> list[tuple[str, Path]]:
     if cfg.get("resume") not in (None, "auto", "never"):
         visit("resume", cfg["resume"])
     return found
+
+
+def held_checkpoint(out: Path) -> Path | None:
+    """A run's checkpoint at or below the folder `out` (a step_XXXXXXXX folder, or an earlier release's
+    step_XXXXXXXX.pt; not through symlinks): in a run directory's checkpoints/, a checkpoints folder named itself, a
+    folder holding runs. None where there is none."""
+    if not out.is_dir() or out.is_symlink():
+        return None
+    for p in (out, *out.rglob("step_*")):
+        if p.is_symlink():
+            continue
+        if NAME.match(p.name) and p.is_dir() or OLD_NAME.match(p.name) and p.with_suffix(".json").is_file():
+            return p
+    return None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -310,14 +345,15 @@ def check_folder(out: Path) -> None:
         raise UsageError(_unwritable(folder))
 
 
-def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, cfg: dict, default: Path) -> Path:
+def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, cfg: dict, default: Path,
+              cwd: Path | None = None) -> Path:
     """The real path to write the export at, or UsageError (one line) where that would delete or overwrite what
-    this command did not write: the run's own files and the paths it started from never, a path of the user's
-    only with --force."""
+    this command did not write: the run's own files, the paths it started from (relative ones from `cwd`, its launch
+    directory: sources) and another run's checkpoints never, a path of the user's only with --force."""
     out = given.resolve()
     never = f"export never writes there, even with --force; give another --out (default: {default})"
     protected = [(run, "the run directory"), (checkpoints, "the run's checkpoints"),
-                 *((path, f"{key} of the run, a path it started from") for key, path in sources(cfg))]
+                 *((path, f"{key} of the run, a path it started from") for key, path in sources(cfg, cwd))]
     for path, what in protected:
         if out == path or _inside(path, out):
             relation = "is" if out == path else "holds"
@@ -341,6 +377,9 @@ def check_out(given: Path, fmt: str, force: bool, run: Path, checkpoints: Path, 
     if is_own_export(out, fmt) or (fmt == "hf" and not any(out.iterdir())):
         return out  # this command's export as it wrote it, or an empty folder: nothing of anyone else's is lost
     what = "is a file" if fmt == "pt" else f"is a folder of {sum(1 for _ in out.rglob('*'))} entries"
+    if (held := held_checkpoint(out)) is not None:
+        relation = "is" if held == out else "holds"
+        raise UsageError(f"--out {given} {relation} a checkpoint of another run ({held}): {never}")
     if _inside(out, run):
         raise UsageError(f"--out {given} {what} in the run directory {run} that is no export of this command as it "
                          f"wrote it: {never}")
@@ -356,6 +395,23 @@ class ExportFailed(Exception):
     """Writing the export failed (a full disk, a file of the source that does not read): --out is as it was."""
 
 
+def umask_mode() -> int:
+    """The mode a file made by open() gets here: 0o666 less the process's umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def give_umask_mode(tmp: Path) -> None:
+    """Every file of the export at `tmp` (the file, or the folder's files) gets the umask's mode: safetensors'
+    save_file makes its files 0600 whatever the umask (another account could not load the model), and a copy
+    (shutil.copy2) keeps its source's mode."""
+    mode = umask_mode()
+    for p in (tmp, *(tmp.rglob("*") if tmp.is_dir() else ())):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def publish(out: Path, fmt: str, write, about: dict) -> None:
     """write(tmp) writes the export at `tmp`, beside `out` (the same file system); with its marker it is then
     renamed into place, what was at `out` moved aside and removed only after. Any failure removes what it wrote
@@ -366,6 +422,7 @@ def publish(out: Path, fmt: str, write, about: dict) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
+        give_umask_mode(tmp)
         if fmt == "hf":
             marker.write_text(json.dumps(about | {"files": _listing(tmp)}, indent=2) + "\n")
             if os.path.lexists(out):
@@ -436,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         given = Path(args.out) if args.out else default
         state = trainer_file(path)
         cfg, step, dtype = state["config"], state["step"], DTYPES.get(args.dtype)
-        out = check_out(given, args.format, args.force, run.resolve(), checkpoints.resolve(), cfg, default)
+        # The run's relative paths start at its launch directory; a run recorded before it was (no "cwd" in its
+        # run_info.json) keeps the former rule: they start at this process's working directory
+        out = check_out(given, args.format, args.force, run.resolve(), checkpoints.resolve(), cfg, default,
+                        launch_dir(run))
         if args.format == "hf":
             plan = hf_plan(path, cfg, dtype, shard_size(args.max_shard_size))
         else:

@@ -252,7 +252,8 @@ class RunLog:
         return verdict[0]
 
     def run_info(self, cfg: Config, denv: DistEnv, device: torch.device) -> None:
-        """Rank 0 records what ran: the resolved config, library versions, git commit, hardware."""
+        """Rank 0 records what ran: the resolved config, library versions, git commit, hardware, the command and
+        the directory it was launched in."""
         if not self.is_main:
             return
         info = {
@@ -262,6 +263,8 @@ class RunLog:
             "world": {"world_size": denv.world_size, "nodes": denv.nodes, "launcher": denv.launcher,
                       "master": f"{denv.master_addr}:{denv.master_port}"},
             "command": sys.argv,
+            # the folder the config's relative paths (kept as typed) start at: train.export protects them from it
+            "cwd": os.getcwd(),
         }
         # run_info.json first: a folder holding it holds a run (resume.check_fresh_start), whatever follows
         (self.run_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
