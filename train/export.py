@@ -279,7 +279,7 @@ def held_checkpoint(out: Path) -> Path | None:
     folder holding runs. None where there is none."""
     if not out.is_dir() or out.is_symlink():
         return None
-    for p in (out, *out.rglob("step_*")):
+    for p in (out, *sorted(out.rglob("step_*"))):
         if p.is_symlink():
             continue
         if NAME.match(p.name) and p.is_dir() or OLD_NAME.match(p.name) and p.with_suffix(".json").is_file():

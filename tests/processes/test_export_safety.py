@@ -284,3 +284,94 @@ def test_an_out_in_a_folder_you_cannot_write_is_one_line_exit_2(finished_run):
         assert tree(root) == before
         run.chmod(0o755)  # for the TemporaryDirectory's cleanup (a non-root user's)
         ro.chmod(0o755)
+
+
+# configs/gpt.yaml's tiny GPT on two shards of its own, to step 2 (a checkpoint there), a few CPU seconds.
+GPT = ["--config", str(ROOT / "configs" / "gpt.yaml"), "task.seq_len=32", "train.global_batch_size=8",
+       "train.micro_batch_size=4", "train.steps=2", "checkpoint.every=2", "train.eval_every=0", "train.log_every=1",
+       "optim.warmup_steps=0", "data.num_workers=0", "log.wandb.mode=disabled", "log.report=false"]
+
+
+@pytest.fixture(scope="module")
+def relative_run(tmp_path_factory) -> Path:
+    """The issue's project: proj/data/ (two shards) and proj/runs/rel/, a run launched in proj/ with task.data=data
+    and run.dir=runs/rel, relative as typed. Returns proj/."""
+    import numpy as np
+
+    from train.tasks import shards
+
+    proj = tmp_path_factory.mktemp("relative") / "proj"
+    (proj / "data").mkdir(parents=True)
+    tokens = (np.arange(4096, dtype=np.uint16) * 7) % 200
+    shards.write_shard(proj / "data" / "chats_train_000000.bin", tokens, "llmc")
+    shards.write_shard(proj / "data" / "chats_val_000000.bin", tokens[:2048], "llmc")
+    proc = subprocess.run([PY, "-m", "train", *GPT, "task.data=data", "run.dir=runs/rel"], cwd=proj,
+                          env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proj
+
+
+def test_the_paths_a_run_started_from_are_refused_from_any_directory(tmp_path, relative_run):
+    """The issue's case: a run launched in proj/ with task.data=data; from proj's parent, `export proj/runs/rel --out
+    proj/data/chats_val_000000.bin --force` replaced the validation shard (exit 0: "data" was read from export's own
+    directory). The run records where it was launched (run_info.json's "cwd"; its config keeps "data" as typed), and
+    export reads the run's relative paths from there: exit 2 in one line, from proj's parent and from a folder that
+    has a data/ of its own, every byte of proj/ as it was."""
+    proj = relative_run
+    run = proj / "runs" / "rel"
+    assert json.loads((run / "run_info.json").read_text())["cwd"] == str(proj.resolve())
+    assert "data: data\n" in (run / "config.yaml").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)  # export's own data/ there: the old rule protected this one instead
+    before = tree(proj)
+    shard = proj / "data" / "chats_val_000000.bin"
+    for cwd, run_arg, out in [(proj.parent, "proj/runs/rel", "proj/data/chats_val_000000.bin"),
+                              (elsewhere, str(run), str(shard)), (elsewhere, str(run), str(proj / "data"))]:
+        for force in ([], ["--force"]):
+            proc = subprocess.run([PY, "-m", "train.export", run_arg, "--out", out, *force], cwd=cwd,
+                                  env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+            relation = "is" if out.endswith("data") else "is inside"
+            assert (proc.returncode, proc.stdout) == (2, ""), proc
+            assert proc.stderr == (f"error: --out {out} {relation} task.data of the run, a path it started from "
+                                   f"({(proj / 'data').resolve()}): export never writes there, even with --force; give "
+                                   f"another --out (default: {run_arg}/export/step_00000002.pt)\n"), proc.stderr
+    assert tree(proj) == before
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["data"]
+
+
+def test_a_folder_holding_another_runs_checkpoints_is_refused_even_with_force(tmp_path, capsys, finished_run, hf_run):
+    """--force onto another run (the issue: its checkpoints deleted, exit 0): its run directory, its checkpoints/,
+    one checkpoint, a folder holding the run: exit 2 in one line naming the checkpoint, every byte kept."""
+    other = copy_run(finished_run, tmp_path / "runs" / "other")
+    checkpoint = other / "checkpoints" / "step_00000006"
+    before = tree(tmp_path)
+    run = hf_run[1]
+    for out in (other, other / "checkpoints", checkpoint, tmp_path / "runs", tmp_path):
+        for force in ([], ["--force"]):
+            refused(capsys, [str(run), "--format", "hf", "--out", str(out), *force],
+                    f"--out {out} {'is' if out == checkpoint else 'holds'} a checkpoint of another run ("
+                    f"{other / 'checkpoints'}/step_0000000")
+    assert tree(tmp_path) == before
+    proc = _export(str(run), "--format", "hf", "--out", str(other), "--force")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc
+    assert proc.stderr == (f"error: --out {other} holds a checkpoint of another run ({other / 'checkpoints'}/"
+                           f"step_00000002): export never writes there, even with --force; give another --out "
+                           f"(default: {run}/export/step_00000002-hf)\n"), proc.stderr
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_every_file_the_export_writes_has_the_umasks_mode(tmp_path, capsys, finished_run, hf_run, umask):
+    """safetensors' save_file makes its files 0600 whatever the umask (the issue: another account could not load the
+    model; config.json was 0644): every file of an hf export (the safetensors, config.json, the tokenizer and
+    README.md copied from the model folder, the marker) and the pt file and its marker have 0666 less the umask."""
+    old = os.umask(umask)
+    try:
+        exported(capsys, [str(hf_run[1]), "--format", "hf", "--out", str(tmp_path / "hf")])
+        exported(capsys, [str(finished_run), "--out", str(tmp_path / "pt" / "model.pt")])
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"hf/model.safetensors", "hf/config.json", "hf/README.md", "pt/model.pt"} <= modes.keys(), modes
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask)), modes

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -65,3 +66,25 @@ def test_a_run_directory_that_is_not_there_or_not_a_folder_is_named_as_such(tmp_
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_runs_relative_paths_start_where_it_was_launched_and_an_older_runs_where_export_runs(tmp_path,
+                                                                                              monkeypatch):
+    """run_info.json's "cwd" is where the run's relative paths start (launch_dir); a run recorded before it was
+    there (no "cwd", no run_info.json) keeps the former rule: they start at export's own working directory."""
+    run, launched, here = tmp_path / "run", tmp_path / "launched", tmp_path / "here"
+    for folder in (run, launched / "data", here / "data", launched / "model"):
+        folder.mkdir(parents=True)
+    cfg = {"task": {"name": "x", "data": "data", "path": str(launched / "model"), "glob": "data/*.bin"},
+           "resume": "model"}  # resume=PATH: launched/model, no model/ here
+    monkeypatch.chdir(here)
+    assert export.launch_dir(run) is None  # no run_info.json
+    (run / "run_info.json").write_text(json.dumps({"command": ["train"]}))
+    assert export.launch_dir(run) is None  # recorded before "cwd" was
+    assert export.sources(cfg, export.launch_dir(run)) == [
+        ("task.data", here / "data"), ("task.path", launched / "model"), ("task.glob", here / "data")]
+    (run / "run_info.json").write_text(json.dumps({"command": ["train"], "cwd": str(launched)}))
+    assert export.launch_dir(run) == launched
+    assert export.sources(cfg, export.launch_dir(run)) == [
+        ("task.data", launched / "data"), ("task.path", launched / "model"), ("task.glob", launched / "data"),
+        ("resume", launched / "model")]
