@@ -60,6 +60,7 @@ BATCH = max(2, os.cpu_count() or 1)  # blocks encoded together: one a core
 CHATS = 512  # conversations encoded together
 COPY = 1 << 22  # tokens a read when the shards are copied from the token file and read back
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")  # where no eos_token is set
+LLMC_MAX = 2**31 - 1  # tokens an llm.c shard's header can count (an int32)
 TMP = ".prepare-{}.tmp"  # the token file (and mask) in OUTDIR while the command runs
 
 
@@ -85,6 +86,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.shard_tokens <= 0:
         raise UsageError(f"--shard-tokens must be > 0, got {a.shard_tokens}")
+    if a.format == "llmc" and a.shard_tokens > LLMC_MAX:  # the header's count is an int32
+        raise UsageError(f"--shard-tokens {a.shard_tokens} is more than an llm.c shard holds ({LLMC_MAX} tokens: "
+                         f"its header's count is an int32): give at most {LLMC_MAX}")
     if not 0 < a.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {a.val_fraction}")
     if a.chat and a.tokenizer in VOCAB:
