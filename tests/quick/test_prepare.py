@@ -2,10 +2,83 @@
 sizes the format holds."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from train import prepare
+from train.tasks import shards
+
+WORDS = ("the quick brown fox jumps over lazy dog a stitch in time saves nine all that glitters is not gold early "
+         "bird catches worm").split()
+
+
+def corpus(chars: int, seed: int = 0) -> str:
+    """Words, punctuation and newlines, `chars` characters or so."""
+    rng = np.random.default_rng(seed)
+    out, n = [], 0
+    while n < chars:
+        w = str(rng.choice(WORDS)) + str(rng.choice(["", "", "", ",", ".", ".\n", "\n\n"]))
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def sentencepiece_style(folder: Path, style: str) -> Path:
+    """A tokenizer that marks the start of a text as Llama 2's and Mistral v0.1's do: a "▁" in front of it. `first`,
+    `always`: a Metaspace pre-tokenizer with that prepend_scheme; `legacy`: Llama 2's tokenizer.json, a Prepend("▁")
+    normalizer and no pre-tokenizer (the whole text one word to the BPE). <s> first (its post-processor), </s> its
+    end of text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first" if style == "legacy" else style)
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([corpus(20_000, seed=9)], trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    if style == "legacy":
+        tok.pre_tokenizer = None
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def tokens_of(out: Path) -> list[int]:
+    return [t for split in ("train", "val") for p in sorted(out.glob(f"*_{split}_*.bin"))
+            for t in shards.open_shard(p).tokens().tolist()]
+
+
+@pytest.mark.parametrize("style", ["first", "always", "legacy"])
+def test_a_sentencepiece_style_tokenizer_gives_the_tokens_of_each_whole_document(tmp_path, monkeypatch, style):
+    """Documents longer than a block (files, and .jsonl lines; words and spaces, or lines without a space): their
+    tokens are the whole text's encoding (one "▁" in front, none at a block's cut) then </s>."""
+    from tokenizers import Tokenizer
+
+    folder = sentencepiece_style(tmp_path / "model", style)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    monkeypatch.setattr(prepare, "BLOCK_CHARS", 4096)
+    monkeypatch.setattr(prepare, "BATCH", 2)
+    rng = np.random.default_rng(3)
+    lines = "\n".join(str(rng.choice(WORDS)) for _ in range(2000))  # no space: a block ends after a newline
+    docs = [corpus(30_000, seed=1), lines, corpus(9_000, seed=2)]
+    assert all(len(d) > 2 * prepare.BLOCK_CHARS for d in docs)
+    assert tok.encode(docs[0][:4000]).tokens[:2] == ["<s>", "▁" + docs[0].split()[0]]  # the "▁" a text starts with
+    eos = tok.token_to_id("</s>")
+    expected = [t for d in docs for t in [*tok.encode(d).ids, eos]]
+
+    (tmp_path / "in").mkdir()
+    for i, d in enumerate(docs):
+        (tmp_path / "in" / f"{i}.txt").write_text(d)
+    assert prepare.main([str(tmp_path / "in"), str(tmp_path / "out"), "--tokenizer", str(folder)]) == 0
+    assert tokens_of(tmp_path / "out") == expected
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert prepare.main([str(tmp_path / "docs.jsonl"), str(tmp_path / "jsonl"), "--tokenizer", str(folder)]) == 0
+    assert tokens_of(tmp_path / "jsonl") == expected
 
 
 @pytest.mark.parametrize("fmt, ok", [("llmc", False), ("nanogpt", True)])
