@@ -99,3 +99,22 @@ def test_shards_larger_than_the_format_holds_are_refused_before_any_tokenizing(t
     assert code == 2 and not read and not (tmp_path / "o").exists()
     assert err.count("\n") == 1 and err.startswith("error: --shard-tokens 2147483648 ") and "2147483647" in err
     assert prepare.main([str(text), str(tmp_path / "o"), "--shard-tokens", str(2**31 - 1)]) == 0
+
+
+def test_a_tokenizer_whose_tokens_span_spaces_still_gives_the_whole_documents_tokens(tmp_path, monkeypatch):
+    """A BPE without a pre-tokenizer learns tokens across spaces, newlines and punctuation ("all that "): no cut is
+    a token boundary for it, none passes the check, and the document is encoded whole rather than changed."""
+    from tokenizers import Tokenizer, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.train_from_iterator([corpus(20_000, seed=9)], trainer=trainers.BpeTrainer(vocab_size=400,
+                                                                                 special_tokens=["</s>"]))
+    assert any(" " in t.strip() for t in tok.get_vocab())
+    (tmp_path / "model").mkdir()
+    tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    monkeypatch.setattr(prepare, "BLOCK_CHARS", 4096)
+    doc = corpus(30_000, seed=1)
+    (tmp_path / "doc.txt").write_text(doc)
+    assert prepare.main([str(tmp_path / "doc.txt"), str(tmp_path / "out"), "--tokenizer",
+                         str(tmp_path / "model")]) == 0
+    assert tokens_of(tmp_path / "out") == [*tok.encode(doc).ids, tok.token_to_id("</s>")]
