@@ -23,11 +23,14 @@ document ends.
 Vocabularies up to 65536 are written as uint16 (llm.c's gpt-2 format, magic 20240520), larger ones as uint32 (its
 llama-3 format, magic 20240801; nanoGPT's headerless format has no way to say so and stays uint16).
 
-Each file is read in blocks of BLOCK_CHARS characters, cut before a word (a space between two non-spaces, where
-byte-level tokenizers' pre-tokenizers cut too: the tokens are those of the whole text), and the blocks of a batch are
-encoded together on every core (the fast tokenizer's encode_batch_fast, tiktoken's encode_ordinary_batch). The tokens
-go to a file in OUTDIR as they come, and the shards are copied from it: memory is one batch of blocks and a few bytes
-a token (bench/studies/prepare_memory.py measures it), whatever the corpus' size.
+Each document is read in blocks of about BLOCK_CHARS characters and its tokens are exactly those of the whole
+document with any tokenizer (a sentencepiece-style one's "▁" included): a block ends only where a cut is checked to
+change no token (join()), and each block but a document's first is encoded after the CONTEXT characters before it,
+whose tokens are then dropped (see encode_documents). The blocks of a batch are encoded together on every core (the
+fast tokenizer's encode_batch_fast, tiktoken's encode_ordinary_batch). The tokens go to a file in OUTDIR as they come,
+and the shards are copied from it: memory is one batch of blocks and a few bytes a token
+(bench/studies/prepare_memory.py measures it), whatever the corpus' size (a document with no checked cut in a block,
+one long word, grows its block until one comes).
 
 --chat: INPUT is JSON lines of {"messages": [{"role": ..., "content": ...}, ...]}, rendered through the tokenizer's own
 chat template (transformers' apply_chat_template; tokenizer_config.json's chat_template or chat_template.jinja). Beside
@@ -56,10 +59,13 @@ from train.config import OneLineParser, UsageError
 
 VOCAB = {"bytes": 256, "gpt2": 50257}
 BLOCK_CHARS = 1 << 18  # characters (bytes for `bytes`) a block: encoded apart, BATCH at a time
+CONTEXT = 1024  # characters before a cut encoded with the block after it (at most a quarter of BLOCK_CHARS)
+TRIES = 4  # cuts of each kind checked in a block before it grows
 BATCH = max(2, os.cpu_count() or 1)  # blocks encoded together: one a core
 CHATS = 512  # conversations encoded together
 COPY = 1 << 22  # tokens a read when the shards are copied from the token file and read back
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")  # where no eos_token is set
+LLMC_MAX = 2**31 - 1  # tokens an llm.c shard's header can count (an int32)
 TMP = ".prepare-{}.tmp"  # the token file (and mask) in OUTDIR while the command runs
 
 
@@ -85,6 +91,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.shard_tokens <= 0:
         raise UsageError(f"--shard-tokens must be > 0, got {a.shard_tokens}")
+    if a.format == "llmc" and a.shard_tokens > LLMC_MAX:  # the header's count is an int32
+        raise UsageError(f"--shard-tokens {a.shard_tokens} is more than an llm.c shard holds ({LLMC_MAX} tokens: "
+                         f"its header's count is an int32): give at most {LLMC_MAX}")
     if not 0 < a.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {a.val_fraction}")
     if a.chat and a.tokenizer in VOCAB:
@@ -206,35 +215,83 @@ def end_of_text(tok, config: Path) -> int | None:
     return None
 
 
-def cut(text: str) -> int:
-    """Where to end a block of `text`: before the last space between two non-spaces of its second half (a
-    pre-tokenizer's cut: byte-level BPEs never merge across it), else at its end."""
-    i = len(text) - 1
-    while (i := text.rfind(" ", len(text) // 2, i)) > 0:
-        if i + 1 < len(text) and not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i
-    return len(text)
+def context() -> int:
+    return min(CONTEXT, BLOCK_CHARS // 4)
 
 
-def split(text: str) -> Iterator[str]:
-    """A document held in memory (a line of a .jsonl) in blocks of about BLOCK_CHARS, cut as blocks() does."""
-    while len(text) > BLOCK_CHARS:
-        at = cut(text[:BLOCK_CHARS])
-        yield text[:at]
-        text = text[at:]
-    if text:
-        yield text
+# Where a block may end, most likely first: before a space between two non-spaces (where pre-tokenizers cut), after
+# a newline, beside punctuation (text without spaces). A position is a match's start.
+CUTS = [re.compile(r"(?<=\S) (?=\S)"), re.compile(r"(?<=\n)(?=\S)"),
+        re.compile(r"(?<=\w)(?=[^\w\s])|(?<=[^\w\s])(?=\w)")]
 
 
-def documents(path: Path, binary: bool) -> Iterator[Iterator[str | bytes]]:
-    """A file's documents, each as its blocks: a .jsonl file's lines ({"text": ...} each), else the whole file."""
+def join(encode_batch, text: str, at: int) -> bool:
+    """Whether a cut of `text` at `at` changes no token: the CONTEXT characters before it encode alone as they do
+    followed by the CONTEXT after it (the cut is a token boundary), and the tokens after it are the same after a
+    context half as long (they depend on nothing further back)."""
+    k = context()
+    right, ctx, half = text[at:at + k], text[at - k:at], text[at - k // 2:at]
+    a, b, c, d = encode_batch([ctx + right, ctx, half + right, half])
+    return starts_with(a, b) and starts_with(c, d) and np.array_equal(a[len(b):], c[len(d):])
+
+
+def starts_with(ids: np.ndarray, head: np.ndarray) -> bool:
+    return len(ids) >= len(head) and np.array_equal(ids[:len(head)], head)
+
+
+def cut(text: str, encode_batch) -> int:
+    """Where to end a block of `text`: the last of TRIES positions of each of CUTS' kinds in its second half (with
+    CONTEXT characters after it) where join() holds; 0 where none does."""
+    k = context()
+    lo, hi = max(len(text) // 2, k), len(text) - k
+    for kind in CUTS:
+        span = 4096
+        while True:  # the last TRIES, searched from the end
+            found = [m.start() for m in kind.finditer(text, max(lo, hi - span), hi)]
+            if len(found) >= TRIES or hi - span <= lo:
+                break
+            span *= 4
+        for at in found[::-1][:TRIES]:
+            if join(encode_batch, text, at):
+                return at
+    return 0
+
+
+def pieces(chunks: Iterator[str], encode_batch) -> Iterator[tuple[str, str]]:
+    """A document's text, given as chunks, in (context, block) pieces of about BLOCK_CHARS: each block ends at a cut
+    (cut()), each context is the CONTEXT characters before its block ("" for the first)."""
+    carry, ctx = "", ""
+    for chunk in chunks:
+        text = carry + chunk
+        at = cut(text, encode_batch) if len(text) >= BLOCK_CHARS else 0
+        if at:
+            yield ctx, text[:at]
+            ctx, carry = text[at - context():at], text[at:]
+        else:  # no cut yet: the block grows
+            carry = text
+    if carry:
+        yield ctx, carry
+
+
+def split(text: str, enc: Encoder) -> Iterator[tuple[str | bytes, str | bytes]]:
+    """A document held in memory (a line of a .jsonl) as blocks() gives a file's."""
+    chunks = (text[i:i + BLOCK_CHARS] for i in range(0, len(text), BLOCK_CHARS))
+    if enc.binary:  # bytes: any cut changes no token
+        yield from ((b"", c.encode()) for c in chunks)
+    else:
+        yield from pieces(chunks, enc.encode_batch)
+
+
+def documents(path: Path, enc: Encoder) -> Iterator[Iterator[tuple[str | bytes, str | bytes]]]:
+    """A file's documents, each as its (context, block) pieces: a .jsonl file's lines ({"text": ...} each), else the
+    whole file."""
     if path.suffix != ".jsonl":
-        yield blocks(path, binary)
+        yield blocks(path, enc)
         return
     for n, text in json_lines(path, "text"):
         if not isinstance(text, str):
             raise UsageError(f"{path}:{n}: \"text\" is a {type(text).__name__}, not a string")
-        yield (b.encode() for b in split(text)) if binary else split(text)
+        yield split(text, enc)
 
 
 def json_lines(path: Path, key: str) -> Iterator[tuple[int, object]]:
@@ -251,22 +308,15 @@ def json_lines(path: Path, key: str) -> Iterator[tuple[int, object]]:
             yield n, value
 
 
-def blocks(path: Path, binary: bool) -> Iterator[str | bytes]:
-    """A file's text in blocks of about BLOCK_CHARS, each cut where encoding it apart changes no token."""
-    if binary:
+def blocks(path: Path, enc: Encoder) -> Iterator[tuple[str | bytes, str | bytes]]:
+    """A file's text as (context, block) pieces of about BLOCK_CHARS (pieces())."""
+    if enc.binary:
         with open(path, "rb") as f:
             while data := f.read(BLOCK_CHARS):
-                yield data
+                yield b"", data
         return
-    carry = ""
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        while chunk := f.read(BLOCK_CHARS):
-            text = carry + chunk
-            at = cut(text)
-            carry = text[at:]
-            yield text[:at]
-    if carry:
-        yield carry
+        yield from pieces(iter(lambda: f.read(BLOCK_CHARS), ""), enc.encode_batch)
 
 
 class TokenFile:
@@ -301,21 +351,36 @@ class TokenFile:
 def encode_documents(files: list[Path], enc: Encoder, out: TokenFile, bar) -> None:
     """Each document: the tokenizer's begin tokens, its blocks' tokens, its end tokens; 2 x BATCH blocks encoded at
     once."""
-    pending: list = []  # token arrays and blocks of text, in order
+    pending: list = []  # token arrays and (context, block) pieces, in order
 
+    # A block that does not start its document is encoded after its context (the text before the cut), and the
+    # context's own tokens are dropped: a tokenizer that marks the start of a text (a sentencepiece-style "▁" in front,
+    # Llama 2's and Mistral's; a byte-level add_prefix_space; a Strip) marks the context's start, which goes, not the
+    # block's, whatever the tokenizer's make. The cut was checked to be a token boundary (join()); the context encodes
+    # to the same tokens at the head of the block's encoding, or prepare stops rather than write other tokens.
     def flush():
-        texts = [p for p in pending if not isinstance(p, np.ndarray)]
+        texts = [t for p in pending if isinstance(p, tuple) for t in ((p[0] + p[1], p[0]) if p[0] else (p[1],))]
         encoded = iter(enc.encode_batch(texts) if texts else [])
         for p in pending:
-            out.write(p if isinstance(p, np.ndarray) else next(encoded))
-        bar.update(sum(len(t) for t in texts))
+            if not isinstance(p, tuple):
+                out.write(p)
+                continue
+            ids = next(encoded)
+            if p[0]:
+                head = next(encoded)
+                if not starts_with(ids, head):
+                    raise RuntimeError(f"the tokenizer encodes the {len(p[0])} characters before a block cut "
+                                       f"otherwise when the block follows them: {p[0][-40:]!r}")
+                ids = ids[len(head):]
+            out.write(ids)
+        bar.update(sum(len(p[1]) for p in pending if isinstance(p, tuple)))
         pending.clear()
 
     for f in files:
-        for doc in documents(f, enc.binary):
+        for doc in documents(f, enc):
             pending.append(np.array(enc.begin, dtype=np.int64))
-            for block in doc:
-                pending.append(block)
+            for piece in doc:
+                pending.append(piece)
                 if len(pending) >= 2 * BATCH:
                     flush()
             pending.append(np.array(enc.end, dtype=np.int64))

@@ -66,6 +66,7 @@ def test_prepare_usage_errors_exit_2_in_one_line(tmp_path):
         (str(text), str(tmp_path / "o"), "--val-fraction", "1"): "--val-fraction",
         (str(text), str(tmp_path / "o"), "--shard-tokens", "0"): "--shard-tokens",
         (str(text), str(tmp_path / "o"), "--shard-tokens", "x"): "invalid int",
+        (str(text), str(tmp_path / "o"), "--shard-tokens", str(2**31)): "more than an llm.c shard holds",
         (str(text), str(tmp_path / "o"), "--format", "npy"): "invalid choice",
         (str(tmp_path / "o"), str(tmp_path / "o2"), "--val-fraction", "0.5"): "does not exist",
         (str(text), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no-model")): "--tokenizer: ",
