@@ -44,6 +44,11 @@ class Regression(Task):
         noise: float = 0.05  # input noise added at every read of a training sample
         dropout: float = 0.0
 
+    # What a relaunch of a run may change (docs/tasks.md): the data's keys start the new data from its beginning,
+    # the model's are refused (a new run.name), dropout applies from the resumed step.
+    relaunch = {"inputs": "refused", "hidden": "refused", "layers": "refused", "train_samples": "data",
+                "eval_samples": "applied", "noise": "data", "dropout": "training"}
+
     def check(self) -> None:
         c = self.cfg
         if c.inputs < 1 or c.hidden < 1 or c.layers < 1:

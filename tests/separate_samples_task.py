@@ -46,6 +46,9 @@ class SeparateSamples(Task):
         noise: float = 0.05
         step_delay_s: float = 0.0  # a sleep in each micro-step: a run a test signals mid-way lasts while it does
 
+    relaunch = {"storage": "data", "inputs": "refused", "hidden": "refused", "train_samples": "data",
+                "eval_samples": "applied", "noise": "data", "step_delay_s": "applied"}
+
     def check(self) -> None:
         if self.cfg.storage not in STORAGES:
             raise ConfigError(f"task.storage: {self.cfg.storage} is not one of {', '.join(STORAGES)}")

@@ -67,6 +67,9 @@ class Sequences(Task):
         eval_samples: int = 40
         dropout: float = 0.1
 
+    relaunch = {"vocab": "refused", "dim": "refused", "max_len": "data", "train_samples": "data",
+                "eval_samples": "applied", "dropout": "training"}
+
     def datasets(self):
         c = self.cfg
         return (RandomLengths(c.train_samples, c.vocab, c.max_len, self.seed * 10 + 1, crop=True),

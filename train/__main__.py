@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             import yaml
 
+            from train import relaunch
+
+            relaunch.check_record(cfg)  # a relaunch's changes, as the launcher and train.submit check them
+
             print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
             return 0
         with frozen_imports():

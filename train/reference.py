@@ -17,7 +17,7 @@ import tokenize
 import typing
 from pathlib import Path
 
-from train import config
+from train import config, relaunch
 from train.task_loader import load_class
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
@@ -25,27 +25,16 @@ TASKS = {"train.tasks.image:ImageClassification": "the built-in image task (conf
          "train.tasks.gpt:LanguageModel": "the built-in GPT (configs/gpt.yaml)",
          "train.tasks.hf:CausalLM": "a Hugging Face model (configs/hf.yaml)"}
 
-# What a relaunch (the same run directory, resume=auto) does with a changed value, by key or section. The
-# checks behind it: train/checkpoint/checkpointer.py (tensors that no longer fit are refused, optimizer
-# hyper-parameters re-applied, schedule_change's log line) and train/parallel/data.py (the seed).
-APPLIED = "applied"
-RELAUNCH = {
-    "seed": "refused: it orders the rest of the epoch",
-    "resume": "where a launch starts: see docs/checkpoints.md",
-    "run": "another run (its own folder)",
-    "optim.name": "refused: the checkpoint's optimizer state does not fit",
-    "optim": "applied from the next step (logged)",
-    "train.steps": "applied: the schedule ends there (logged)",
-    "task": "applied, unless the model's tensors change shape (refused)",
-}
+# What a relaunch (the same run directory, resume=auto) does with a changed value: train/relaunch.py's rule of the
+# key (a task's keys: its `relaunch` table), which the launch applies.
+NOT_CHANGES = {"resume": "where a launch starts: see docs/checkpoints.md", "run": "another run (its own folder)"}
 
 
-def relaunch(key: str) -> str:
-    while key:
-        if key in RELAUNCH:
-            return RELAUNCH[key]
-        key = key.rpartition(".")[0]
-    return APPLIED
+def on_relaunch(key: str, task_class: type | None = None) -> str:
+    if key.split(".")[0] in NOT_CHANGES:
+        return NOT_CHANGES[key.split(".")[0]]
+    rule, why = relaunch.rule(key, task_class)
+    return relaunch.SAID[rule] + (f": {why}" if why else "")
 
 
 def comments(cls: type) -> dict[str, str]:
@@ -100,18 +89,25 @@ def page() -> str:
     rows = ["# Configuration reference", "",
             "Every key, generated from the code by `python -m train.reference` (do not edit by hand).",
             "Set a key in YAML (`train:` then `steps: 100`) or on the command line (`train.steps=100`).",
-            "The last column says what a relaunch of the same run does with a changed value.", ""]
+            "The last column says what a relaunch of the same run does with a changed value (train/relaunch.py):",
+            "applied; applied from the resumed step; the new data from its beginning; or refused (one line, exit 2,",
+            "nothing written: start a new run with another `run.name`). The relaunch names in its log what it",
+            "applies. On a finished run, a change that would need training is refused: raise `train.steps`.", ""]
 
-    def table(entries):
+    def table(entries, task_class=None):
         rows.extend(["| key | default | meaning | on relaunch |", "| --- | --- | --- | --- |"])
-        rows.extend(f"| `{k}` | `{d}` | {m.replace('|', '/')} | {relaunch(k)} |" for k, d, m in entries)
+        rows.extend(f"| `{k}` | `{d}` | {m.replace('|', '/')} | {on_relaunch(k, task_class)} |"
+                    for k, d, m in entries)
         rows.append("")
 
     table(keys(config.Config))
+    rows.extend(["A task's own keys follow the task's `relaunch` table (`Task.relaunch`, docs/tasks.md); a key it does "
+                 "not list is refused. A key a run's record lacks (a run of an older release) compares as its "
+                 "default.", ""])
     for spec, what in TASKS.items():
         cls = load_class(spec)
         rows.extend([f"## `task.*` of {what}", "", f"`task.name: {spec}`.", ""])
-        table(keys(cls.Config, "task."))
+        table(keys(cls.Config, "task."), cls)
     return "\n".join(rows)
 
 

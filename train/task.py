@@ -61,6 +61,10 @@ class Task:
         """The task's own keys (task.<key>): typed and checked like every other key. Override it."""
 
     unit = "samples"  # what throughput counts: "images", "tokens"
+    # What a relaunch of a run does when one of the task's keys changes (train/relaunch.py, docs/reference.md):
+    # "applied" (nothing trained changes), "training" (from the resumed step), "data" (the new data from its
+    # beginning) or "refused" (another model: a new run). A key not listed is refused.
+    relaunch: dict[str, str] = {}
 
     def __init__(self, cfg: Any, seed: int):
         self.cfg, self.seed = cfg, seed  # cfg: an instance of this class's Config, filled from task.*

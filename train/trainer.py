@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from train import failures, optim
+from train import failures, optim, relaunch
 from train.checkpoint import pretrained, resume
 from train.checkpoint.checkpointer import Checkpointer
 from train.checkpoint.dcp_io import error_text, error_traceback, first_error
@@ -377,7 +377,10 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         t.watched = finite_buffers(state.model)
         log.truncate_metrics(state.step)  # from step 0 too: the records of an attempt that saved nothing are redone
         if state.step >= cfg.train.steps and log.completed(state.step):
-            log.info(f"run {cfg.run_dir} is already complete at step {state.step}; nothing to do")
+            if line := relaunch.refusal(ckpt.changes, cfg.run_dir, state.step):
+                raise ConfigError(line)  # a change that needs training, on a run with no step left
+            ignored = "".join(f", {c} changes nothing here" for c in ckpt.changes)
+            log.info(f"run {cfg.run_dir} is already complete at step {state.step}; nothing to do{ignored}")
             return 0  # its record (config.yaml, run_info.json) stays that of the run that trained it
         log.run_info(cfg, denv, device)
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "

@@ -203,7 +203,8 @@ def _files(run_dir) -> dict:
 def test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay(tmp_path, change, finished_run):
     """resume=auto never trains from step 0 over a run it cannot load: that would lose the run at the next
     retention (its new saves sort below the old ones) and again at every relaunch. Another model or optimizer
-    is named with what differs; checkpoints that all fail to load are a usage error that lists the ways out."""
+    is named: by its key's relaunch rule, and, for a new run from the checkpoints, with the tensors that differ;
+    checkpoints that all fail to load are a usage error that lists the ways out."""
     copy_run(finished_run, tmp_path)  # checkpoints at steps 2, 4 and 6, trained with sgd
     if change == "every checkpoint corrupt":
         for shard in (tmp_path / "checkpoints").glob("step_*/__0_0.distcp"):
@@ -214,6 +215,15 @@ def test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_s
     proc = run_train(tmp_path, override, "checkpoint.every=2", "train.steps=9", expect=2)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    if change in ("model", "optimizer"):
+        # A relaunch: the key's rule refuses it by name before any tensor is read (train/relaunch.py). Before the
+        # rules, a relaunch met the tensors' mismatch below, as a new run from the run's checkpoints still does.
+        key, old, new = ("task.model", "resnet18", "resnet34") if change == "model" else ("optim.name", "sgd", "adamw")
+        assert errors[0].startswith(f"error: relaunch of {tmp_path} with {key} {old} -> {new} refused"), errors[0]
+        branch = tmp_path.parent / f"{tmp_path.name}-branch"
+        proc = run_train(branch, override, f"resume={tmp_path}", "train.steps=9", expect=2)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     if change == "model":
         assert "does not match the model of this run (it has task.model=resnet18, this run task.model=resnet34)" \
             in errors[0] and "missing, first layer1.2" in errors[0]

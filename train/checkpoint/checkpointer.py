@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from train import optim
+from train import optim, relaunch
 from train.checkpoint.dcp_io import (
     ASYNC_TYPE,
     BackgroundWriter,
@@ -100,6 +100,7 @@ class Checkpointer:
         self._gate_handle = None  # the optimizer step's pre-hook that waits for it
         self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/suite/checkpoint.py)
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
+        self.changes: list[relaunch.Change] = []  # what this launch changes of the run it resumed (train/relaunch.py)
 
     # ---- saving
     def due(self, step: int) -> bool:
@@ -309,6 +310,11 @@ class Checkpointer:
                 failed.append(f"{path.name} {problem}")
                 continue
             trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+            # A relaunch (the run's own checkpoint) that changes a key its rule refuses: named before any tensor
+            # is read, and nothing is written.
+            self.changes = relaunch.changes(trainer.get("config") or {}, self.cfg)
+            if inside(path, self.cfg.run_dir) and (line := relaunch.refusal(self.changes, self.cfg.run_dir, None)):
+                raise ConfigError(line)
             metadata = Reader(path).read_metadata()
             # A checkpoint of another model or optimizer is no damage to fall back from: the same config
             # meets the same mismatch in every checkpoint of the run. It is named, and nothing is trained.
@@ -424,13 +430,22 @@ class Checkpointer:
         ts.step = int(state["step"])
         ts.eval_pending = bool(state.get("eval_pending", False))
         data_state = state["data"]
-        if data_state.get("seed", self.cfg.seed) != self.cfg.seed and not inside(path, self.cfg.run_dir):
+        own = inside(path, self.cfg.run_dir)
+        other_data = relaunch.data_changed(self.changes) or (not own and any(c.key == "task.name" for c in
+                                                                             self.changes))
+        if other_data:
+            # The position in the old data (its epoch, the samples read) means nothing in the new data
+            what = ", ".join(map(str, relaunch.data_changed(self.changes))) or "another task"
+            self.log.info(f"the data changed ({what}): training goes on from step {ts.step} at the new data's "
+                          f"beginning")
+        elif data_state.get("seed", self.cfg.seed) != self.cfg.seed and not own:
             # A new run from another run's checkpoint (a fine-tune) may choose its own seed; a relaunch of this
             # run may not (TrainStream refuses it): the rest of its epoch would follow another permutation.
             self.log.warning(f"a new run from {path}, trained with seed={data_state['seed']}: from its data "
                              f"position on, this run's seed={self.cfg.seed} orders the data")
             data_state = data_state | {"seed": self.cfg.seed}
-        ts.data.load_state_dict(data_state)
+        if not other_data:
+            ts.data.load_state_dict(data_state)
         self.tracker_id = state.get("tracker", {}).get("run_id")
         if state["world_size"] == self.world_size:
             set_rng_state(state["rng"][self.rank], ts.device)
@@ -445,6 +460,8 @@ class Checkpointer:
         self.log.info(f"resumed from {path} at step {ts.step} (epoch {ts.data.epoch}, "
                       f"{ts.data.samples_in_epoch} samples into it) in {seconds:.2f} s")
         if line := schedule_change(self.cfg, state.get("config") or {}, ts.step):
+            self.log.info(line)
+        if own and ts.step < self.cfg.train.steps and (line := relaunch.applied_line(self.changes, ts.step)):
             self.log.info(line)
 
 

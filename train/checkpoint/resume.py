@@ -54,8 +54,10 @@ RESUME_CASES = {
         "refused (exit 2) with the newest one's problem and the ways out; every checkpoint stays, nothing trained",
         ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
     "another model or optimizer": (
-        "refused (exit 2), naming the config keys and tensors that differ; nothing is written",
-        ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay"]),
+        "refused (exit 2), nothing written: a relaunch by its key's rule (train/relaunch.py), a new run from PATH "
+        "naming the config keys and tensors that differ",
+        ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay",
+         "processes/test_relaunch.py::test_a_relaunch_refused_by_the_trainer_writes_nothing"]),
     "another world size or strategy (DDP, FSDP)": (
         "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
         ["processes/test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"

@@ -134,7 +134,12 @@ def check_training_args(train_args: list[str], task: bool = True) -> config.Conf
     """The same parse `python -m train` does, run once before torchrun starts the workers so that a bad config
     fails once; task=False leaves the task's keys to torchrun's process (torchrun.py)."""
     ns = config.parse_args(train_args)
-    return config.load(ns.config, ns.overrides, task)
+    cfg = config.load(ns.config, ns.overrides, task)
+    if task:  # a relaunch that changes what its rules refuse: refused before anything is queued
+        from train import relaunch
+
+        relaunch.check_record(cfg)
+    return cfg
 
 
 def check_world(cfg: config.Config, cmd: list[str]) -> None:

@@ -72,6 +72,10 @@ class LanguageModel(Task):
         init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
 
     unit = "tokens"
+    relaunch = {"data": "data", "eval_data": "applied", "format": "data", "model": "refused", "seq_len": "refused",
+                "n_layer": "refused", "n_head": "refused", "n_embd": "refused", "vocab_size": "refused",
+                "n_positions": "refused", "dropout": "training", "train_tokens": "data", "eval_tokens": "applied",
+                "init_from": "applied"}  # init_from: the first step's weights only (a relaunch resumes its own)
 
     def gpt_config(self) -> GPTConfig:
         """The model's GPTConfig: the preset with the overrides that are set; with init_from a Hugging Face folder,

@@ -69,6 +69,8 @@ class CausalLM(Task):
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
 
     unit = "tokens"
+    relaunch = {"path": "refused", "data": "data", "eval_data": "applied", "format": "data", "seq_len": "data",
+                "attention": "applied"}
 
     def __init__(self, cfg, seed: int):
         super().__init__(cfg, seed)

@@ -43,6 +43,9 @@ class ImageClassification(Task):
         norm: Literal["batch", "group"] = "batch"  # the ResNet's normalization layers
 
     unit = "images"
+    relaunch = {"data": "data", "path": "data", "image_size": "data", "num_classes": "refused",
+                "train_samples": "data", "eval_samples": "applied", "augment": "training", "model": "refused",
+                "small_input": "refused", "norm": "refused"}
 
     def check(self) -> None:
         c = self.cfg
