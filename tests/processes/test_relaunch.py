@@ -74,3 +74,29 @@ def test_applied_changes_are_named_and_new_data_starts_at_its_beginning(finished
     assert ("the data changed (task.train_samples 256 -> 128): training goes on from step 6 at the new data's "
             "beginning") in proc.stdout, proc.stdout
     assert [m["epoch"] for m in metrics(branch) if m.get("step") == 8 and "loss" in m] == [0]
+
+
+def test_the_launcher_and_train_submit_refuse_before_anything_starts_or_is_queued(finished_run, tmp_path):
+    """The launcher's torchrun process and train.submit compare the run's config.yaml: no worker starts, no job is
+    queued (a stand-in sbatch records whether it was called)."""
+    run = copy_run(finished_run, tmp_path / "run")
+    before = _files(run)
+    logs = {p: p.read_bytes() for p in (run / "logs").glob("rank*.log")}  # a rank that started writes there
+    says = (f"error: relaunch of {run} with task.num_classes 10 -> 4 refused; start a new run with another run.name, "
+            f"or relaunch with the run's own value (task.num_classes=10)")
+    args = ["--config", "configs/default.yaml", *TINY, f"run.dir={run}", "task.num_classes=4", "train.steps=8"]
+    proc = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=1", "--", *args], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == says, proc.stderr
+    assert {p: p.read_bytes() for p in (run / "logs").glob("rank*.log")} == logs  # no worker started
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "srun"):  # submitit looks for srun; sbatch writes where it was called
+        (bin_dir / name).write_text(f"#!/bin/sh\ntouch {tmp_path / name}.called\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    proc = subprocess.run([PY, "-m", "train.submit", "--nodes", "1", "--gpus-per-node=0", "--cpus-per-task=1", "--",
+                           *args], cwd=ROOT, env=clean_env(PATH=f"{bin_dir}:{clean_env()['PATH']}"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == says, proc.stderr
+    assert not (tmp_path / "sbatch.called").exists()
+    assert _files(run) == before
