@@ -89,10 +89,10 @@ def page() -> str:
     rows = ["# Configuration reference", "",
             "Every key, generated from the code by `python -m train.reference` (do not edit by hand).",
             "Set a key in YAML (`train:` then `steps: 100`) or on the command line (`train.steps=100`).",
-            "The last column says what a relaunch of the same run does with a changed value (train/relaunch.py):",
-            "applied; applied from the resumed step; the new data from its beginning; or refused (one line, exit 2,",
-            "nothing written: start a new run with another `run.name`). The relaunch names in its log what it",
-            "applies. On a finished run, a change that would need training is refused: raise `train.steps`.", ""]
+            "The last column says what a relaunch of the same run does with a changed value (train/relaunch.py).",
+            "A change is applied, applied from the resumed step, or the new data from its beginning; the log names it.",
+            "Or it is refused: one line, exit 2, nothing written; start a new run with another `run.name`.",
+            "On a finished run, a change that would need training is refused: raise `train.steps`.", ""]
 
     def table(entries, task_class=None):
         rows.extend(["| key | default | meaning | on relaunch |", "| --- | --- | --- | --- |"])
