@@ -6,6 +6,7 @@ from __future__ import annotations
 import _posixsubprocess
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,15 @@ class ProcessStarted(AssertionError):
     pass
 
 
-def _refuse(*args, **kwargs):
-    raise ProcessStarted("tests/quick starts no process: move this test to tests/processes (training processes on this "
-                         "machine) or tests/systems (SLURM, Docker, real hosts)")
+def _refusing(original):
+    """`original`, refused in the thread that runs the test. Another thread of the session goes on: the image's
+    build (tests/engine.py) runs docker in a thread of its own while the quick tests run."""
+    def call(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            raise ProcessStarted("tests/quick starts no process: move this test to tests/processes (training processes "
+                                 "on this machine) or tests/systems (SLURM, Docker, real hosts)")
+        return original(*args, **kwargs)
+    return call
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -32,8 +39,8 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     saved = [(owner, name, getattr(owner, name)) for owner, name in STARTS if hasattr(owner, name)]
-    for owner, name, _ in saved:
-        setattr(owner, name, _refuse)
+    for owner, name, original in saved:
+        setattr(owner, name, _refusing(original))
     try:
         yield
     finally:
