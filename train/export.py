@@ -38,7 +38,6 @@ writes has the umask's mode (0644 under umask 022), as a file open() makes.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import shutil
@@ -63,11 +62,11 @@ from train.checkpoint.storage import (
 )
 from train.config import OneLineParser, UsageError
 from train.errors import ConfigError, missing_path
+from train.failures import UNWRITABLE  # the errnos of a folder this user may not write
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MARKER = ".train-export.json"  # in an hf export's folder; beside a pt file: .NAME.train-export.json
 WRITER = "python -m train.export"
-UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
