@@ -2,6 +2,7 @@
 #   make train-local            train configs/default.yaml on this machine (NPROC=, CONFIG=, ARGS=)
 #   make test                   the whole test suite (PYTEST_ARGS=, TEST_WORKERS=)
 #   make test-quick             the tests that start no process (tests/quick/), a minute or two
+#   make test-pages             every command of README.md and docs/, as a reader meets them (tests/pages/)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-quick test-python venv-torch test-torch lint bench gpu-check clean-runs
+.PHONY: venv dev train-local test test-quick test-pages test-python venv-torch test-torch lint bench gpu-check clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -46,7 +47,11 @@ train-local: venv
 # worker, so the files that hold one resource (SLURM's cluster, the Docker engine) never share it, while
 # the tests that wait on deadlines overlap the ones that compute. tests/conftest.py orders the files.
 test: dev
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/pages $(PYTEST_ARGS)
+
+# Every command of README.md and docs/, in a reader's order, on one copy of the project (tests/pages/, minutes).
+test-pages: dev
+	$(PY) -m pytest tests/pages -q $(PYTEST_ARGS)
 
 # The quick tier: tests/quick/ starts no process (its conftest.py refuses one), so it needs one core and no
 # worker; the other tiers are tests/processes/ (training processes) and tests/systems/ (SLURM, Docker, real hosts).
