@@ -234,7 +234,7 @@ BEFORE = {
     "hf download openai-community/gpt2 --local-dir models/gpt2":
         lambda s: chat_bpe_model(s / "models" / "gpt2", "gpt2"),
     "python -m train.prepare corpus.txt data/my-text --tokenizer models/my-model":
-        lambda s: (s / "corpus.txt").write_text(TEXT * 300),
+        lambda s: (s / "corpus.txt").write_text(TEXT * 2000),
 }
 
 
