@@ -102,10 +102,15 @@ HOW: dict[str, str] = {
     # docs/kubernetes.md
     "kubectl create secret generic wandb --from-literal=api-key=...": K8S,
     "kubectl apply -f k8s": K8S,
-    "kubectl logs -f ddp-template-worker-0": K8S,
+    "kubectl get pods -l training.kubeflow.org/job-name=ddp-template -o wide": K8S,
+    "kubectl logs -f -l training.kubeflow.org/job-name=ddp-template --prefix --tail=-1 | grep '\\[rank 0\\]'": K8S,
+    "kubectl logs -f -l training.kubeflow.org/job-name=ddp-template,training.kubeflow.org/replica-index=0": K8S,
     "kubectl delete -f k8s/pytorchjob.yaml": K8S,
+    "kubectl apply -f k8s/2x8gpu": K8S,
     "kubectl apply -f k8s/trainjob": K8S,
-    "kubectl logs -f ddp-template-node-0-0": K8S,
+    "kubectl get pods -l jobset.sigs.k8s.io/jobset-name=ddp-template -o wide": K8S,
+    "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=ddp-template --prefix --tail=-1 | grep '\\[rank 0\\]'": K8S,
+    "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=ddp-template,batch.kubernetes.io/job-completion-index=0": K8S,
     "kubectl delete -f k8s/trainjob/trainjob.yaml": K8S,
     "kubectl create configmap ddp-template-config --from-file=train.yaml=tasks/my.yaml --from-file=tasks/my_task.py "
     "--dry-run=client -o yaml > k8s/configmap.yaml": K8S,

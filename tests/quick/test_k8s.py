@@ -18,6 +18,13 @@ K8S = ROOT / "k8s"
 TRAINJOB_DIR = K8S / "trainjob"  # kubectl apply -f k8s/trainjob: its own job, never with k8s/'s
 
 
+# The 2 nodes x 8 GPUs variants, each `kubectl apply -f`'d alone: subfolders, which the commands above do not read.
+PYTORCHJOB_8 = K8S / "2x8gpu"
+TRAINJOB_8 = TRAINJOB_DIR / "2x8gpu"
+PYTORCHJOBS = [K8S, PYTORCHJOB_8]
+TRAINJOBS = [TRAINJOB_DIR, TRAINJOB_8]
+
+
 CRD = ROOT.parent / "shared" / "schemas" / "kubeflow.org_pytorchjobs.yaml"
 
 
@@ -43,8 +50,8 @@ def _find(kind: str, name: str | None = None, folder: Path = K8S) -> dict:
     return found[0]
 
 
-def _job() -> dict:
-    return _find("PyTorchJob")
+def _job(folder: Path = K8S) -> dict:
+    return _find("PyTorchJob", folder=folder)
 
 
 def _container(replica: dict) -> dict:
@@ -96,11 +103,14 @@ def test_k8s_holds_only_kubernetes_objects():
         assert path.is_dir() or path.suffix in (".yaml", ".yml"), f"kubectl apply -f k8s would read {path}"
 
 
-def test_core_objects_validate_with_kubernetes_validate():
+@pytest.mark.parametrize("folder", PYTORCHJOBS + TRAINJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_core_objects_validate_with_kubernetes_validate(folder):
     kv = _kubernetes_validate()
     version = kv.latest_version()
     checked = 0
-    for path, doc in _objects():
+    for path, doc in _objects(folder):
+        if doc["kind"] in ("TrainJob", "TrainingRuntime"):  # their CRDs: test_trainjob_validates_*
+            continue
         if doc["kind"] == "PyTorchJob":
             # Its pod templates are core objects: validate each as a PodTemplate.
             for rtype, replica in doc["spec"]["pytorchReplicaSpecs"].items():
@@ -118,24 +128,26 @@ def test_core_objects_validate_with_kubernetes_validate():
         except Exception as e:
             pytest.fail(f"{path}: {doc['kind']} {doc['metadata']['name']}: {e}")
         checked += 1
-    assert checked >= 3
+    assert checked >= 2  # the ConfigMap and the PVC, and the PyTorchJob's pod template
 
 
-def test_pytorchjob_validates_against_the_operators_crd():
+@pytest.mark.parametrize("folder", PYTORCHJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_pytorchjob_validates_against_the_operators_crd(folder):
     import jsonschema
 
     schema = _strict(_crd_schema())
     validator = jsonschema.Draft7Validator(schema)
-    errors = sorted(validator.iter_errors(_job()), key=lambda e: list(e.absolute_path))
+    errors = sorted(validator.iter_errors(_job(folder)), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
     # And the check bites: a misplaced field is refused.
-    bad = copy.deepcopy(_job())
+    bad = copy.deepcopy(_job(folder))
     bad["spec"]["elasticPolicy"]["nprocPerNode"] = 1
     assert list(validator.iter_errors(bad))
 
 
-def test_pytorchjob_conventions():
-    job = _job()
+@pytest.mark.parametrize("folder", PYTORCHJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_pytorchjob_conventions(folder):
+    job = _job(folder)
     spec, policy = job["spec"], job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "c10d"
     assert 1 <= policy["minReplicas"] <= policy["maxReplicas"]
@@ -162,13 +174,13 @@ def test_pytorchjob_conventions():
     assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
     assert "emptyDir" in mounts["/tmp"], "HOME and caches (the image's ENV) on a writable scratch volume"
     claim = mounts["/runs"]["persistentVolumeClaim"]["claimName"]
-    assert "ReadWriteMany" in _find("PersistentVolumeClaim", claim)["spec"]["accessModes"]
+    assert "ReadWriteMany" in _find("PersistentVolumeClaim", claim, folder)["spec"]["accessModes"]
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
     assert run_dir.startswith("/runs/"), "runs and checkpoints on the PVC, so a restarted pod resumes"
     config_path = Path(c["args"][c["args"].index("--config") + 1])
     config_map = next(v["configMap"]["name"] for p, v in mounts.items()
                       if "configMap" in v and config_path.is_relative_to(p))
-    assert config_path.name in _find("ConfigMap", config_map)["data"]
+    assert config_path.name in _find("ConfigMap", config_map, folder)["data"]
 
     wandb = next(e for e in c["env"] if e["name"] == "WANDB_API_KEY")["valueFrom"]["secretKeyRef"]
     assert wandb["optional"] is True
@@ -181,13 +193,14 @@ def test_pytorchjob_conventions():
     assert pod_sc["seccompProfile"]["type"] == sc["seccompProfile"]["type"] == "RuntimeDefault"
 
 
-def test_configmap_config_is_valid_at_every_allowed_size(tmp_path):
+@pytest.mark.parametrize("folder", PYTORCHJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_configmap_config_is_valid_at_every_allowed_size(tmp_path, folder):
     """The ConfigMap's config with the job's overrides loads, and its batch arithmetic holds for every world
     size the elastic job may run at (minReplicas..maxReplicas nodes)."""
-    job = _job()
+    job = _job(folder)
     c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
     path = tmp_path / "train.yaml"
-    path.write_text(_find("ConfigMap", "ddp-template-config")["data"]["train.yaml"])
+    path.write_text(_find("ConfigMap", "ddp-template-config", folder)["data"]["train.yaml"])
     cfg = config.load(str(path), c["args"][c["args"].index("--config") + 2:])
     policy = job["spec"]["elasticPolicy"]
     for nodes in range(policy["minReplicas"], policy["maxReplicas"] + 1):
@@ -216,11 +229,15 @@ def container_env(c: dict, secrets: dict[str, dict[str, str]]) -> list[tuple[str
 
 # Every `image:` of the manifests, by where it is (docs/kubernetes.md, "Your own task", names each): an image of
 # the user's goes into all of them. The TrainJob has two, its own (which wins) and its runtime's container's.
+_PT_IMAGE = ["spec.pytorchReplicaSpecs.Worker.template.spec.containers[pytorch].image"]
+_RUNTIME_IMAGE = ["spec.template.spec.replicatedJobs[node].template.spec.template.spec.containers[node].image"]
 IMAGE_FIELDS = {
-    "k8s/pytorchjob.yaml": ["spec.pytorchReplicaSpecs.Worker.template.spec.containers[pytorch].image"],
+    "k8s/pytorchjob.yaml": _PT_IMAGE,
     "k8s/trainjob/trainjob.yaml": ["spec.trainer.image"],
-    "k8s/trainjob/runtime.yaml": ["spec.template.spec.replicatedJobs[node].template.spec.template.spec"
-                                  ".containers[node].image"],
+    "k8s/trainjob/runtime.yaml": _RUNTIME_IMAGE,
+    "k8s/2x8gpu/pytorchjob.yaml": _PT_IMAGE,
+    "k8s/trainjob/2x8gpu/trainjob.yaml": ["spec.trainer.image"],
+    "k8s/trainjob/2x8gpu/runtime.yaml": _RUNTIME_IMAGE,
 }
 
 
@@ -237,8 +254,8 @@ def _image_fields(value, where: str = "") -> list[tuple[str, str]]:
 
 
 def test_every_image_field_of_the_manifests_is_named_in_the_docs_and_holds_the_tag_make_builds():
-    found = {str(path.relative_to(ROOT)): [] for folder in (K8S, TRAINJOB_DIR) for path, _ in _objects(folder)}
-    for folder in (K8S, TRAINJOB_DIR):
+    found = {str(path.relative_to(ROOT)): [] for folder in PYTORCHJOBS + TRAINJOBS for path, _ in _objects(folder)}
+    for folder in PYTORCHJOBS + TRAINJOBS:
         for path, doc in _objects(folder):
             for where, image in _image_fields(doc):
                 found[str(path.relative_to(ROOT))].append(where)
@@ -257,8 +274,8 @@ TORCH_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MAST
 TRAINER_PORT = 29500  # pkg/constants: ContainerTrainerPort, PET_MASTER_PORT
 
 
-def _trainjob() -> dict:
-    return _find("TrainJob", folder=TRAINJOB_DIR)
+def _trainjob(folder: Path = TRAINJOB_DIR) -> dict:
+    return _find("TrainJob", folder=folder)
 
 
 def _v2(name: str) -> dict:
@@ -268,13 +285,13 @@ def _v2(name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def _runtime() -> dict:
+def _runtime(folder: Path = TRAINJOB_DIR) -> dict:
     """The runtime the TrainJob names: its own TrainingRuntime, shipped beside it (k8s/trainjob/), or a
     ClusterTrainingRuntime as the trainer installs it (torch-distributed)."""
-    ref = _trainjob()["spec"]["runtimeRef"]
+    ref = _trainjob(folder)["spec"]["runtimeRef"]
     assert ref.get("apiGroup", "trainer.kubeflow.org") == "trainer.kubeflow.org"
     if ref.get("kind", "ClusterTrainingRuntime") == "TrainingRuntime":  # namespaced: applied with the TrainJob
-        return _find("TrainingRuntime", ref["name"], TRAINJOB_DIR)
+        return _find("TrainingRuntime", ref["name"], folder)
     runtime = _v2("torch_distributed.yaml")
     assert (ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) == (runtime["kind"], runtime["metadata"]["name"])
     return runtime
@@ -416,11 +433,13 @@ def test_kubectl_apply_k8s_creates_exactly_one_job_and_k8s_trainjob_the_other():
         assert "namespace" not in doc["metadata"], f"{path}: kubectl apply -n NAMESPACE chooses it"
         if doc["kind"] in ("ConfigMap", "PersistentVolumeClaim"):  # the same objects: applying both is a no-op
             assert doc == _find(doc["kind"], doc["metadata"]["name"]), f"{path} differs from k8s/'s"
-    assert not [p for p in TRAINJOB_DIR.iterdir() if p.is_dir() or p.suffix not in (".yaml", ".yml")]
+    assert not [p for p in TRAINJOB_DIR.iterdir()
+                if p != TRAINJOB_8 and (p.is_dir() or p.suffix not in (".yaml", ".yml"))]
 
 
-def test_trainjob_validates_against_the_trainers_crds_and_webhook():
-    job, runtime = _trainjob(), _runtime()
+@pytest.mark.parametrize("folder", TRAINJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_trainjob_validates_against_the_trainers_crds_and_webhook(folder):
+    job, runtime = _trainjob(folder), _runtime(folder)
     assert runtime["kind"] == "TrainingRuntime", "the TrainJob's own runtime, shipped beside it in k8s/trainjob"
     for validator, doc in ((_crd_validator("trainer.kubeflow.org_trainjobs.yaml"), job),
                            (_crd_validator(_runtime_crd(runtime)), runtime)):
@@ -453,9 +472,10 @@ def test_trainjob_validates_against_the_trainers_crds_and_webhook():
     assert list(_crd_validator(_runtime_crd(runtime)).iter_errors(bad))
 
 
-def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
+@pytest.mark.parametrize("folder", TRAINJOBS, ids=lambda f: str(f.relative_to(ROOT)))
+def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path, folder):
     kv = _kubernetes_validate()
-    job, runtime = _trainjob(), _runtime()
+    job, runtime = _trainjob(folder), _runtime(folder)
     pod, c = trainer_pod(job, runtime)
     template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ddp-template-node"},
                 "template": {"spec": pod}}
@@ -470,31 +490,31 @@ def test_trainjob_pod_validates_and_follows_the_conventions(tmp_path):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and "emptyDir" in volumes[mounts["/tmp"]]
     claim = volumes[mounts["/runs"]]["persistentVolumeClaim"]["claimName"]
-    assert "ReadWriteMany" in _find("PersistentVolumeClaim", claim, TRAINJOB_DIR)["spec"]["accessModes"]
+    assert "ReadWriteMany" in _find("PersistentVolumeClaim", claim, folder)["spec"]["accessModes"]
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
-    assert run_dir.startswith("/runs/") and run_dir != next(
-        a.split("=", 1)[1] for a in _container(_job()["spec"]["pytorchReplicaSpecs"]["Worker"])["args"]
-        if a.startswith("run.dir=")), "its own run directory: both jobs may run at once"
+    assert run_dir.startswith("/runs/")  # its own: test_every_job_has_its_own_name_run_directory_and_rendezvous
     pod_sc, sc = pod["securityContext"], c["securityContext"]
     assert pod_sc["runAsNonRoot"] and sc["runAsNonRoot"] and pod_sc["runAsUser"] == 10001
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     # The config loads with the job's overrides and its batch arithmetic holds for the job's world size.
     path = tmp_path / "train.yaml"
-    path.write_text(_find("ConfigMap", "ddp-template-config", TRAINJOB_DIR)["data"]["train.yaml"])
+    path.write_text(_find("ConfigMap", "ddp-template-config", folder)["data"]["train.yaml"])
     cfg = config.load(str(path), c["args"][c["args"].index("--config") + 2:])
     config.validate(cfg, trainer["numNodes"] * trainer["numProcPerNode"])
 
 
-def test_grace_period_is_the_stop_budget_plus_the_launchers_margin_in_each_manifest():
+@pytest.mark.parametrize("variant", ["1 GPU", "2x8gpu"])
+def test_grace_period_is_the_stop_budget_plus_the_launchers_margin_in_each_manifest(variant):
     """terminationGracePeriodSeconds (when the kubelet SIGKILLs) = STOP_TIMEOUT (the seconds torchrun gives
     the workers to save) + train/launch/command.py's GRACE_MARGIN_S (torchrun's and the launcher's own exit): one
     stop budget, so raising one without the other fails here. The TrainJob's pod is built as the trainer
     builds it (its runtime's pod and env, the TrainJob's env over it)."""
     from train.launch.command import GRACE_MARGIN_S
 
-    worker = _job()["spec"]["pytorchReplicaSpecs"]["Worker"]
-    pod, c = trainer_pod(_trainjob(), _runtime())
+    pt, tj = (K8S, TRAINJOB_DIR) if variant == "1 GPU" else (PYTORCHJOB_8, TRAINJOB_8)
+    worker = _job(pt)["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pod, c = trainer_pod(_trainjob(tj), _runtime(tj))
     for name, grace, env in (("PyTorchJob", worker["template"]["spec"]["terminationGracePeriodSeconds"],
                               _container(worker)["env"]),
                              ("TrainJob", pod["terminationGracePeriodSeconds"], c["env"])):
@@ -522,7 +542,10 @@ def test_both_jobs_carry_the_kueue_queue_label_as_an_option():
 
     for path, job, validator in (
             (K8S / "pytorchjob.yaml", _job(), jsonschema.Draft7Validator(_strict(_crd_schema()))),
-            (TRAINJOB_DIR / "trainjob.yaml", _trainjob(), _crd_validator("trainer.kubeflow.org_trainjobs.yaml"))):
+            (TRAINJOB_DIR / "trainjob.yaml", _trainjob(), _crd_validator("trainer.kubeflow.org_trainjobs.yaml")),
+            (PYTORCHJOB_8 / "pytorchjob.yaml", _job(PYTORCHJOB_8), jsonschema.Draft7Validator(_strict(_crd_schema()))),
+            (TRAINJOB_8 / "trainjob.yaml", _trainjob(TRAINJOB_8),
+             _crd_validator("trainer.kubeflow.org_trainjobs.yaml"))):
         queue, labelled = _kueue_option(path)
         assert labelled["metadata"]["labels"].pop("kueue.x-k8s.io/queue-name") == queue
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", queue), queue
@@ -632,3 +655,203 @@ def test_a_requeue_exit_code_that_means_something_else_is_a_usage_error(monkeypa
         assert err.startswith("error: REQUEUE_EXIT_CODE must be an exit code from 3 to 255") and "torch" not in err
     monkeypatch.setenv("REQUEUE_EXIT_CODE", "143")
     assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 0
+
+
+# ---------------------------------------------------------------- sized per GPU; the 2 nodes x 8 GPUs variants
+
+def _quantity(q) -> float:
+    """A Kubernetes quantity (10, "500m", "96Gi") as a number: CPUs, bytes."""
+    m = re.fullmatch(r"([0-9.]+)(m|Ki|Mi|Gi|Ti)?", str(q))
+    assert m, q
+    return float(m[1]) * {None: 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[m[2]]
+
+
+def _sizes() -> dict[str, tuple[int, dict, dict]]:
+    """(GPUs, resources, the /dev/shm emptyDir) of each job's pod, by its folder."""
+    out = {}
+    for folder in PYTORCHJOBS:
+        job = _job(folder)
+        worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+        c, pod = _container(worker), worker["template"]["spec"]
+        out[str(folder.relative_to(ROOT))] = (int(job["spec"]["nprocPerNode"]), c["resources"], pod)
+    for folder in TRAINJOBS:
+        job = _trainjob(folder)
+        pod, c = trainer_pod(job, _runtime(folder))
+        out[str(folder.relative_to(ROOT))] = (int(job["spec"]["trainer"]["numProcPerNode"]), c["resources"], pod)
+    for name, (gpus, resources, pod) in out.items():
+        mount = next(m["name"] for c in pod["containers"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        out[name] = (gpus, resources, next(v for v in pod["volumes"] if v["name"] == mount)["emptyDir"])
+    return out
+
+
+def test_every_pod_is_sized_per_gpu_with_requests_equal_to_limits():
+    """CPU, memory and /dev/shm scale with the GPUs a pod holds, at one share per GPU in every manifest: a pod of
+    8 ranks in a 1-GPU pod's memory is the OOM kill (137) the operator recreates for ever. Requests = limits
+    (Guaranteed QoS); /dev/shm is memory, inside the limit, with room for the ranks beside it."""
+    shares = {}
+    for name, (gpus, resources, shm) in _sizes().items():
+        requests, limits = resources["requests"], resources["limits"]
+        assert str(limits["nvidia.com/gpu"]) == str(gpus), name
+        assert {k: _quantity(requests[k]) for k in ("cpu", "memory")} == \
+               {k: _quantity(limits[k]) for k in ("cpu", "memory")}, f"{name}: requests = limits (Guaranteed)"
+        assert shm["medium"] == "Memory" and _quantity(shm["sizeLimit"]) <= _quantity(limits["memory"]) / 4, name
+        shares[name] = (_quantity(limits["cpu"]) / gpus, _quantity(limits["memory"]) / gpus / 2**30,
+                        _quantity(shm["sizeLimit"]) / gpus / 2**30)
+    assert len(set(shares.values())) == 1, f"one share per GPU (CPUs, memory GiB, /dev/shm GiB): {shares}"
+    cpu, memory, shm = next(iter(shares.values()))
+    assert 8 <= cpu <= 12 and 64 <= memory <= 128 and 8 <= shm, shares  # k8s/pytorchjob.yaml says why
+    assert memory * 8 < 1024, "8 GPUs' share fits a 1 TiB node, with room for its kubelet and daemons"
+
+
+def test_the_2x8gpu_variants_are_two_nodes_of_eight_at_a_fixed_size():
+    job, trainjob = _job(PYTORCHJOB_8), _trainjob(TRAINJOB_8)
+    policy, worker = job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert job["spec"]["nprocPerNode"] == "8" and trainjob["spec"]["trainer"]["numProcPerNode"] == 8
+    assert policy["minReplicas"] == policy["maxReplicas"] == worker["replicas"] == 2, "fixed: 2 nodes or none"
+    assert trainjob["spec"]["trainer"]["numNodes"] == 2
+
+
+def _without(doc: dict, *paths: str) -> dict:
+    """The object with these dotted paths (list items by name) removed."""
+    doc = copy.deepcopy(doc)
+    for path in paths:
+        node, keys = doc, path.split(".")
+        for key in keys[:-1]:
+            node = next(x for x in node if x.get("name") == key) if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[:] = [x for x in node if x.get("name") != keys[-1]]
+        else:
+            node.pop(keys[-1])
+    return doc
+
+
+def test_the_2x8gpu_variants_are_the_1_gpu_jobs_but_for_their_size_and_name():
+    """Security, exit codes, stop budget, volumes: the variants' are the defaults' (a fix to one reaches both)."""
+    pt_size = ("metadata.name", "spec.elasticPolicy.rdzvId", "spec.elasticPolicy.minReplicas",
+               "spec.nprocPerNode", "spec.pytorchReplicaSpecs.Worker.template.spec.containers.pytorch.resources",
+               "spec.pytorchReplicaSpecs.Worker.template.spec.containers.pytorch.args",
+               "spec.pytorchReplicaSpecs.Worker.template.spec.volumes.dshm")
+    assert _without(_job(PYTORCHJOB_8), *pt_size) == _without(_job(), *pt_size)
+    tj_size = ("metadata.name", "spec.runtimeRef.name", "spec.trainer.numProcPerNode", "spec.trainer.resourcesPerNode",
+               "spec.trainer.args", "spec.trainer.env.RDZV_ID")
+    assert _without(_trainjob(TRAINJOB_8), *tj_size) == _without(_trainjob(), *tj_size)
+    rt_size = ("metadata.name", "spec.template.spec.replicatedJobs.node.template.spec.template.spec.volumes.dshm")
+    assert _without(_runtime(TRAINJOB_8), *rt_size) == _without(_runtime(), *rt_size)
+    for folder, default in ((PYTORCHJOB_8, K8S), (TRAINJOB_8, TRAINJOB_DIR)):
+        for kind in ("ConfigMap", "PersistentVolumeClaim"):  # the same objects: applying both folders is a no-op
+            assert _find(kind, folder=folder) == _find(kind, folder=default), (folder, kind)
+        assert not [p for p in folder.iterdir() if p.is_dir() or p.suffix not in (".yaml", ".yml")], folder
+
+
+def test_every_job_has_its_own_name_run_directory_and_rendezvous():
+    """All four may run in one namespace at once: no two share a name, a run directory or a rendezvous id."""
+    names, run_dirs, rdzv = [], [], []  # (kind, name); run.dir; (kind, rendezvous id)
+    for folder in PYTORCHJOBS:
+        job = _job(folder)
+        args = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])["args"]
+        names.append(("PyTorchJob", job["metadata"]["name"]))
+        run_dirs += [a.split("=", 1)[1] for a in args if a.startswith("run.dir=")]
+        rdzv.append(("PyTorchJob", job["spec"]["elasticPolicy"]["rdzvId"]))
+    for folder in TRAINJOBS:
+        job, runtime = _trainjob(folder), _runtime(folder)
+        names += [("TrainJob", job["metadata"]["name"]), ("TrainingRuntime", runtime["metadata"]["name"])]
+        run_dirs += [a.split("=", 1)[1] for a in job["spec"]["trainer"]["args"] if a.startswith("run.dir=")]
+        rdzv.append(("TrainJob", next(e["value"] for e in job["spec"]["trainer"]["env"] if e["name"] == "RDZV_ID")))
+    assert len(run_dirs) == 4 and len(set(run_dirs)) == 4, run_dirs
+    assert len(names) == 6 and len(set(names)) == 6 and len(set(rdzv)) == 4, (names, rdzv)
+
+
+# ---------------------------------------------------------------- the pods' names and labels, as the operators set them
+
+# Kubeflow training operator v1.9 (github.com/kubeflow/training-operator, tag v1.9.0):
+# pkg/apis/kubeflow.org/v1/common_types.go (the label keys); pkg/controller.v1/common/job_controller.go, GenLabels
+# (operator-name, job-name); pkg/controller.v1/common/pod.go, ReconcilePods (rt = strings.ToLower(rtype)) and
+# createNewPod (replica-type, replica-index, job-role=master; the pod's name: pkg/controller.v1/common/util.go,
+# GenGeneralName, <job>-<rt>-<index>); pkg/controller.v1/pytorch/pytorchjob_controller.go (controllerName).
+PT_OPERATOR_NAME = ("training.kubeflow.org/operator-name", "pytorchjob-controller")
+PT_JOB_NAME = "training.kubeflow.org/job-name"
+PT_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+PT_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+PT_JOB_ROLE = "training.kubeflow.org/job-role"
+# Kubeflow Trainer v2.3 (github.com/kubeflow/trainer, tag v2.3.0): pkg/runtime/framework/plugins/jobset/jobset.go
+# builds a JobSet named as the TrainJob (jobsetv1alpha2ac.JobSet(trainJob.Name, ...)); its go.mod pins JobSet v0.12.0.
+# JobSet v0.12.0 (github.com/kubernetes-sigs/jobset): pkg/util/placement/placement.go, GenJobName
+# (<jobset>-<replicatedjob>-<job index>); pkg/controllers/jobset_controller.go, constructJob and
+# labelAndAnnotateObject (on the Job and on its pod template) with the keys of api/jobset/v1alpha2/jobset_types.go;
+# pkg/webhooks/jobset_webhook.go defaults completionMode to Indexed.
+JS_JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+JS_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+JS_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+# Kubernetes (github.com/kubernetes/kubernetes) pkg/controller/job/indexed_job_utils.go: addCompletionIndexLabel (the
+# PodIndexLabel gate, on by default since 1.28) and podGenerateNameWithIndex: an Indexed Job's pod is named
+# <job>-<index>-<random>, its hostname <job>-<index>.
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def pytorchjob_pods(job: dict) -> dict[str, dict[str, str]]:
+    """{pod name: its labels} of a PyTorchJob's pods, as the operator creates them."""
+    name, out = job["metadata"]["name"], {}
+    for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        for i in range(replica.get("replicas", 1)):
+            labels = dict(replica["template"].get("metadata", {}).get("labels", {}))
+            labels.update({PT_OPERATOR_NAME[0]: PT_OPERATOR_NAME[1], PT_JOB_NAME: name,
+                           PT_REPLICA_TYPE: rtype.lower(), PT_REPLICA_INDEX: str(i)})
+            if rtype == "Master":
+                labels[PT_JOB_ROLE] = "master"
+            out[f"{name}-{rtype.lower()}-{i}"] = labels
+    return out
+
+
+def trainjob_pods(job: dict, runtime: dict) -> dict[str, dict[str, str]]:
+    """{pod hostname: its labels} of a TrainJob's node pods, as the trainer, JobSet and the Job controller make
+    them (the pod's name is its hostname and a random suffix)."""
+    name, rjob = job["metadata"]["name"], "node"
+    nodes = job["spec"]["trainer"].get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
+    template = _node_job(runtime)["template"]
+    out = {}
+    for i in range(nodes):
+        labels = dict(template.get("metadata", {}).get("labels", {}))
+        labels.update({JS_JOBSET_NAME: name, JS_REPLICATED_JOB: rjob, JS_JOB_INDEX: "0", JOB_COMPLETION_INDEX: str(i)})
+        out[f"{name}-{rjob}-0-{i}"] = labels
+    return out
+
+
+def _page_kubectl(verb: str) -> list[list[str]]:
+    """The words of each `kubectl VERB` of docs/kubernetes.md's bash blocks (a pipe's first part, its comment cut)."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    lines = [re.split(r"\s+#\s", line)[0].split(" | ")[0].split()
+             for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    return [words for words in lines if words[:2] == ["kubectl", verb]]
+
+
+def test_the_pages_label_selectors_select_the_pods_the_operators_make():
+    """Each `-l` of docs/kubernetes.md selects pods of its job by the labels the operator's source sets: a whole
+    job's pods, or (an index of 0) the one pod that hosts the rendezvous; and no `kubectl logs` names a pod by a
+    name it does not have (a TrainJob's pods end in a random suffix)."""
+    pt, trainjob = _job(), _trainjob()
+    pods = {"PyTorchJob": pytorchjob_pods(pt), "TrainJob": trainjob_pods(trainjob, _runtime())}
+    rendezvous = {"PyTorchJob": f"{pt['metadata']['name']}-worker-0",  # PET_RDZV_ENDPOINT: worker-0's Service
+                  "TrainJob": trainer_master_addr(trainjob).split(".")[0]}  # PET_MASTER_ADDR: <hostname>.<subdomain>
+    selectors = [words[words.index("-l") + 1] for verb in ("logs", "get") for words in _page_kubectl(verb)
+                 if "-l" in words]
+    assert len(selectors) >= 6, selectors
+    seen = set()
+    for selector in selectors:
+        wanted = dict(term.split("=", 1) for term in selector.split(","))
+        kind = "PyTorchJob" if PT_JOB_NAME in wanted else "TrainJob"
+        chosen = sorted(pod for pod, labels in pods[kind].items() if wanted.items() <= labels.items())
+        if "0" in (wanted.get(PT_REPLICA_INDEX), wanted.get(JOB_COMPLETION_INDEX)):
+            assert chosen == [rendezvous[kind]], (selector, chosen)
+        else:
+            assert chosen == sorted(pods[kind]) and len(chosen) == 2, (selector, chosen)
+        seen.add(kind)
+    assert seen == {"PyTorchJob", "TrainJob"}
+    for words in _page_kubectl("logs"):
+        named = [w for w in words[2:] if not w.startswith("-") and "=" not in w and w != "|"][:1]
+        assert not named or named[0] in pods["PyTorchJob"], f"no pod is named {named[0]}: {' '.join(words)}"
+
+
+def trainer_master_addr(job: dict) -> str:
+    """PET_MASTER_ADDR as the trainer's torch plugin sets it (pkg/runtime/framework/plugins/torch/torch.go)."""
+    return f"{job['metadata']['name']}-node-0-0.{job['metadata']['name']}"

@@ -428,3 +428,38 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_2x8gpu_pods_dry_run_16_ranks_with_their_controllers_environment(tmp_path):
+    """Each pod of the 2 nodes x 8 GPUs variants, its command as the image runs it with the environment its
+    controller injects (the operator's; the trainer's torch plugin), in the launcher's dry run: the torchrun
+    command it would start, and the batch arithmetic of its 16 ranks checked (16 ranks cannot run here)."""
+    from tests.quick.test_k8s import PYTORCHJOB_8, TRAINJOB_8
+
+    job = _job(PYTORCHJOB_8)
+    nodes, _ = replica_nodes(job, tmp_path / "pytorchjob", real_hosts=True, folder=PYTORCHJOB_8, extra=[])
+    trainjob, runtime = _trainjob(TRAINJOB_8), _runtime(TRAINJOB_8)
+    pod, c = trainer_pod(trainjob, runtime)
+    name = trainjob["metadata"]["name"]
+    for i in range(trainjob["spec"]["trainer"]["numNodes"]):
+        mounts = pod_mounts(pod, c, tmp_path / f"node-0-{i}", tmp_path, {}, TRAINJOB_8)
+        env = dict(container_env(c, secrets={})) | dict(trainer_env(trainjob, runtime, i))
+        nodes.append(Node(f"node-0-{i}", local_argv([map_paths(a, mounts) for a in pod_argv(c)]), clean_env(**env),
+                          tmp_path / f"node-0-{i}.log"))
+    expected = {"worker": ["--nnodes=2:2", "--nproc-per-node=8", "--rdzv-id=ddp-template-2x8gpu",
+                           "--rdzv-endpoint=ddp-template-2x8gpu-worker-0:23456"],
+                "node": ["--nnodes=2", "--nproc-per-node=8", "--rdzv-id=ddp-template-2x8gpu",
+                         f"--rdzv-endpoint={name}-node-0-0.{name}:29500"]}
+    assert len(nodes) == 4
+    for node in nodes:
+        argv = [*node.argv[:3], "--dry-run", *node.argv[3:]]  # after the entrypoint, python -m train.launch
+        proc = subprocess.run(argv, cwd=ROOT, env=node.env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{node.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        torchrun = next(line for line in proc.stderr.splitlines() if line.startswith("+ ")).split()
+        print(f"{node.name}: {' '.join(torchrun)}")
+        for arg in expected[node.name.split("-")[0]]:
+            assert arg in torchrun, (node.name, arg, torchrun)
+        # A global batch 16 ranks cannot share is refused by the same dry run, in one line, exit 2.
+        bad = subprocess.run([*argv, "train.global_batch_size=40"], cwd=ROOT, env=node.env, capture_output=True,
+                             text=True, timeout=300)
+        assert bad.returncode == 2 and "does not split evenly over 16 ranks" in bad.stderr, bad.stderr[-2000:]
