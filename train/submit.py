@@ -3,6 +3,7 @@
     python -m train.submit --nodes 2 --partition gpu -- --config configs/default.yaml train.steps=20000
     python -m train.submit --nodes 1 --gpus-per-node 2 --cpus-per-task 16 -- --config configs/default.yaml
     python -m train.submit --nodes 2 --gpus-per-node 0 --cpus-per-task 16 -- ...    # CPU nodes
+    python -m train.submit --nodes 2 --sbatch account=proj --sbatch qos=high --sbatch mem=0 -- ...  # any sbatch option
 
 The same defaults as slurm/train.sbatch's #SBATCH lines (tests/systems/test_slurm.py holds them equal): 8 GPUs and
 64 CPUs per node, 4 hours, the stop signal 180 s before the time limit, the job name, 10 requeues.
@@ -30,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from train.errors import EXIT_REQUEUE, EXIT_USAGE
+from train.errors import EXIT_REQUEUE, EXIT_USAGE, UsageError
 
 # submitit's timeout/preemption signal, read when submitit is imported (here and in the job). SIGTERM,
 # not its default SIGUSR2: SLURM signals every process of a job step, and SIGTERM is the one the
@@ -40,6 +41,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # slurm/train.sbatch's defaults: --gpus-per-node, --cpus-per-task, --time (minutes), the --signal lead
 # (seconds), MAX_REQUEUES and the job name; STOP_TIMEOUT is stop_budget(SIGNAL_DELAY_S), 150 as there.
 GPUS_PER_NODE, CPUS_PER_TASK, TIME_MIN, SIGNAL_DELAY_S, MAX_REQUEUES, JOB_NAME = 8, 64, 240, 180, 10, "ddp-template"
+# sbatch options this command sets itself (by its own options, or as submitit needs them), which --sbatch may not:
+# what to do instead. sbatch's short forms (-N, -t, ...) are refused as --sbatch takes long names only.
+OWN = {"nodes": "use train.submit's --nodes", "ntasks": "train.submit runs one task per node: use --nodes",
+       "ntasks-per-node": "train.submit runs one task per node: use --nodes and --nproc-per-node",
+       "gpus-per-node": "use train.submit's --gpus-per-node", "gpus": "use train.submit's --gpus-per-node",
+       "gpus-per-task": "use train.submit's --gpus-per-node", "cpus-per-task": "use train.submit's --cpus-per-task",
+       "time": "use train.submit's --time", "signal": "use train.submit's --signal-delay",
+       "job-name": "use train.submit's --name", "partition": "use train.submit's --partition",
+       "output": "use train.submit's --folder", "error": "use train.submit's --folder",
+       "open-mode": "the logs are appended to across requeues: leave it out",
+       "requeue": "the job is requeued on the time limit: set how often with --max-timeouts",
+       "no-requeue": "the job is requeued on the time limit: set how often with --max-timeouts (0: never)",
+       "array": "train.submit submits one job: leave it out", "wait": "use train.submit's --wait",
+       "parsable": "train.submit reads sbatch's usual answer: leave it out",
+       "test-only": "train.submit reads sbatch's usual answer: leave it out"}
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -170,6 +186,27 @@ def parse_time(value: str) -> int:
     return int(-(-minutes // 1))
 
 
+def sbatch_options(given: list[str]) -> dict[str, str | bool]:
+    """--sbatch KEY=VALUE (or KEY, a flag) -> submitit's additional_parameters, each an #SBATCH --KEY=VALUE line.
+    KEY is sbatch's long option name (a leading -- and _ for - are accepted). Refused with UsageError, before
+    anything is queued: a malformed one, one given twice, and one that train.submit sets itself (OWN)."""
+    out: dict[str, str | bool] = {}
+    for item in given:
+        key, eq, value = item.partition("=")
+        key = key.strip().removeprefix("--").replace("_", "-")
+        if (not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", key) or len(key) < 2 or (eq and not value.strip())
+                or "\n" in value or "\r" in value):
+            raise UsageError(f"--sbatch {item!r}: expected KEY=VALUE or KEY, with sbatch's long option name "
+                             "(account=proj, qos=high, mem=0, constraint=h100, exclusive)")
+        if key in OWN or (key == "gres" and "gpu" in value):
+            fix = OWN.get(key, "use train.submit's --gpus-per-node")
+            raise UsageError(f"--sbatch {item}: train.submit sets sbatch's --{key} itself: {fix}")
+        if key in out:
+            raise UsageError(f"--sbatch {key} given twice: give each sbatch option once")
+        out[key] = value if eq else True
+    return out
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python -m train.submit", description=__doc__.splitlines()[0],
                                 usage="%(prog)s --nodes N [options] [--] [--config FILE] [key=value ...]",
@@ -194,6 +231,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help=f"requeues after reaching the time limit (default {MAX_REQUEUES})")
     p.add_argument("--python", default=sys.executable, help="interpreter in the job (default: this one)")
     p.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 if it completed")
+    p.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sbatch option, by its long name without the dashes: --sbatch account=proj "
+                        "--sbatch qos=high --sbatch mem=0 --sbatch constraint=h100 --sbatch exclusive (repeat it)")
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -253,6 +293,11 @@ def job_state(job_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
+    try:
+        extra = sbatch_options(args.sbatch)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     from train import config
     from train.config import ConfigError
     from train.launch.command import check_training_args
@@ -301,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}",
                          # the stop budget, inside the warning's lead time (see "The stop budget" in docs/stops.md)
                          f"export STOP_TIMEOUT=${{STOP_TIMEOUT:-{stop_budget(args.signal_delay)}}}"],
-                  additional_parameters={"requeue": True})
+                  additional_parameters={"requeue": True, **extra})
     if args.gpus_per_node > 0:  # 0: CPU nodes, no GPU request at all (as sbatch --gpus-per-node=0)
         params["gpus_per_node"] = args.gpus_per_node
     params["cpus_per_task"] = args.cpus_per_task
@@ -313,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
             job = executor.submit(TrainJob(train_args, nproc, str(ROOT), args.python))
     except Exception as e:  # sbatch refused it: its message says why
         written.remove()
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else str(e)
+        # sbatch's own lines, in one (its "Try sbatch --help" hint left out); else the exception's last line
+        lines = [line.strip() for line in str(e).strip().splitlines()]
+        why = "; ".join(line for line in lines if line.startswith("sbatch:")) or (lines[-1] if lines else repr(e))
+        if "unrecognized option" in why and extra:
+            why += " (an --sbatch KEY is sbatch's long option name: see man sbatch)"
         if "generic resource" in why and args.gpus_per_node:
             why += " (a cluster or partition without GPUs: --gpus-per-node 0 --cpus-per-task N for CPU nodes)"
         print(f"error: submission failed: {why}", file=sys.stderr)

@@ -125,6 +125,8 @@ HOW: dict[str, str] = {
     "python -m train.submit --nodes 2 --partition gpu -- --config configs/default.yaml train.steps=20000": SUBMIT,
     "python -m train.submit --nodes 1 --gpus-per-node 2 --cpus-per-task 16 -- --config configs/default.yaml": SUBMIT,
     "python -m train.submit --nodes 2 --gpus-per-node 0 --cpus-per-task 16 -- --config configs/default.yaml": SUBMIT,
+    "python -m train.submit --nodes 2 --sbatch account=proj --sbatch qos=high --sbatch mem=0 -- --config "
+    "configs/default.yaml": SUBMIT,
     "sudo apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge": ROOT_APT,
     "sudo make slurm-local-up": ROOT_APT,
     "NPROC_PER_NODE=1 sbatch --gpus-per-node=0 --cpus-per-task=2 slurm/train.sbatch train.steps=50 && squeue":

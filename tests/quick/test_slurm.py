@@ -49,3 +49,38 @@ def test_submit_rendezvous_from_the_allocation(monkeypatch):
     clone = TrainJob.__new__(TrainJob)
     clone.__setstate__(job.__getstate__())
     assert clone.train_args == job.train_args and clone._proc is None
+
+
+def test_submit_sbatch_options_and_their_refusals(monkeypatch, capsys):
+    """--sbatch KEY=VALUE becomes submitit's additional_parameters (KEY alone: a flag). One that train.submit sets
+    itself, a malformed one and one given twice are each refused in one line, exit 2, before sbatch is looked for."""
+    import train.submit
+    from train.submit import main, sbatch_options
+
+    assert sbatch_options(["account=proj", "qos=high", "mem=0", "--constraint=h100|a100", "mail_type=END",
+                           "exclusive", "comment=a b=c"]) == {
+        "account": "proj", "qos": "high", "mem": "0", "constraint": "h100|a100", "mail-type": "END",
+        "exclusive": True, "comment": "a b=c"}
+
+    def no_sbatch(name):
+        raise AssertionError(f"looked for {name}: the refusal must come first")
+
+    monkeypatch.setattr(train.submit.shutil, "which", no_sbatch)
+    refusals = {
+        "nodes=3": "error: --sbatch nodes=3: train.submit sets sbatch's --nodes itself: use train.submit's --nodes",
+        "time=10": "error: --sbatch time=10: train.submit sets sbatch's --time itself: use train.submit's --time",
+        "gres=gpu:8": "error: --sbatch gres=gpu:8: train.submit sets sbatch's --gres itself: use train.submit's "
+                      "--gpus-per-node",
+        "signal=USR1@60": "error: --sbatch signal=USR1@60: train.submit sets sbatch's --signal itself: use "
+                          "train.submit's --signal-delay",
+        "A=proj": "error: --sbatch 'A=proj': expected KEY=VALUE or KEY, with sbatch's long option name "
+                  "(account=proj, qos=high, mem=0, constraint=h100, exclusive)",
+        "account=": None, "=proj": None, "account proj": None, "comment=a\nb": None,
+    }
+    for given, line in refusals.items():
+        rc = main(["--nodes", "1", "--sbatch", "mem=0", "--sbatch", given, "--", "--config", "configs/default.yaml"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, (given, err)
+        assert err.strip() == line if line else err.startswith(f"error: --sbatch {given!r}: expected KEY=VALUE"), err
+    rc = main(["--nodes", "1", "--sbatch", "mem=0", "--sbatch", "mem=4G", "--", "--config", "configs/default.yaml"])
+    assert rc == 2 and capsys.readouterr().err == "error: --sbatch mem given twice: give each sbatch option once\n"

@@ -105,7 +105,9 @@ class SlurmHosts:
         st = self.state
         for d in ("ctld", "log", *(f"spool/{n}" for n in self.NODES)):
             (st / d).mkdir(parents=True, exist_ok=True)
-        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 State=UNKNOWN" for h in self.hosts[1:])
+        # a node feature, as GPU clusters have (a GPU model), for train.submit's --sbatch constraint=...
+        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs=2 Features=ddp State=UNKNOWN"
+                          for h in self.hosts[1:])
         common = "".join(line for line in (ROOT / "slurm" / "cluster.conf").read_text().splitlines(keepends=True)
                          if not line.startswith("#"))
         self.conf.write_text(CONF.format(ctl=self.ctl, state=st, nodes=nodes, common=common.rstrip("\n"),
@@ -377,6 +379,40 @@ def test_submit_refuses_a_world_the_batch_does_not_fit_before_queueing(slurm_clu
     assert lines[0].startswith("error: train.global_batch_size=64 does not split evenly over 24 ranks"), lines
     assert "world size is --nodes 3 x 8 processes per node (one per GPU of --gpus-per-node)" in lines[0], lines
     assert queued(slurm_cluster) == before and not (tmp_path / "run").exists()
+
+
+def test_submit_passes_sbatch_options_and_one_line_of_sbatch_refusal(slurm_cluster, tmp_path, cleanup_jobs):
+    """--sbatch KEY=VALUE reaches the job as sbatch's --KEY=VALUE (KEY alone: a flag): what `scontrol show job`
+    lists. The job is held until an hour from now (begin=now+1hour): it never runs, and is cancelled. An option
+    sbatch does not know is sbatch's refusal in one line, naming it, and nothing is queued."""
+    run_dir = tmp_path / "run"
+    base = [PY, "-m", "train.submit", "--nodes", "1", *CPU_NODES]
+    opts = ["comment=two words", "account=proj", "mem=1M", "constraint=ddp", "exclusive", "mail-type=END",
+            "begin=now+1hour"]
+    cmd = [*base, *(a for o in opts for a in ("--sbatch", o)), "--", *TINY, f"run.dir={run_dir}"]
+    proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), capture_output=True,
+                          text=True, timeout=120)
+    m = re.match(r"submitted job (\d+): 1 node\(s\)", proc.stdout)
+    assert proc.returncode == 0 and m, proc.stdout + proc.stderr
+    job_id = m.group(1)
+    cleanup_jobs.append(job_id)
+    show = slurm_cluster.run(["scontrol", "show", "job", job_id], timeout=30).stdout
+    info = job_info(slurm_cluster, job_id)
+    assert info["JobState"] == "PENDING" and info["Reason"] == "BeginTime", show
+    assert "Comment=two words" in show and info["Account"] == "proj" and info["MinMemoryNode"] == "1M", show
+    assert info["Features"] == "ddp" and info["OverSubscribe"] == "NO" and info["MailType"] == "END", show
+    # and what train.submit sets itself is still there
+    assert info["Requeue"] == "1" and info["TimeLimit"] == "04:00:00" and info["NumNodes"].startswith("1"), show
+    assert slurm_cluster.run(["scancel", job_id], timeout=30).returncode == 0
+
+    before = queued(slurm_cluster)
+    cmd = [*base, "--sbatch", "acount=proj", "--", *TINY, f"run.dir={tmp_path / 'typo'}"]
+    proc = subprocess.run(slurm_cluster.argv(cmd), cwd=ROOT, env=slurm_cluster.env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("error: submission failed: sbatch: unrecognized option '--acount=proj' (an "
+                                   "--sbatch KEY is sbatch's long option name: see man sbatch)"), proc.stderr
+    assert queued(slurm_cluster) == before and not (tmp_path / "typo").exists()
 
 
 def test_job_nodes_are_separate_hosts(slurm_cluster, tmp_path, cleanup_jobs):
