@@ -65,3 +65,36 @@ def test_compose_topology():
     assert {tuple(s["command"]) for s in gpu.values()} == {tuple(s["command"]) for s in cpu.values()}
     named = [v.split(":")[0] for s in compose["services"].values() for v in s["volumes"]]
     assert set(named) <= set(compose.get("volumes", {})), "a named volume, shared by the nodes"
+
+
+def test_a_usage_error_exits_0_on_compose_alone_and_its_line_says_so(monkeypatch, capsys):
+    """restart: on-failure restarts every exit but 0 (no Docker restart policy filters exit codes), so a usage error
+    (exit 2: a bad key, a refused relaunch) would be restarted for ever: x-env's USAGE_EXIT_CODE=0 ends such a node
+    once, its one line, the last, saying so. Only 2 is mapped, only where the variable is set: the plain launcher,
+    SLURM and Kubernetes keep exit 2. (On the real engine: tests/systems/test_compose.py.)"""
+    from train.launch import launcher as launch
+
+    for name, s in _compose()["services"].items():
+        assert s["restart"] == "on-failure" and s["environment"]["USAGE_EXIT_CODE"] == "0", name
+    for path in [*(ROOT / "k8s").rglob("*.yaml"), *(ROOT / "slurm").rglob("*"), ROOT / "Dockerfile", ROOT / "Makefile"]:
+        assert path.is_dir() or "USAGE_EXIT_CODE" not in path.read_text(), path
+
+    monkeypatch.setattr(launch.Signals, "install", lambda self: None)  # pytest's own signal handlers stay
+    bad_key = ["--dry-run", "--config", "configs/default.yaml", "train.no_such_key=1"]
+    monkeypatch.delenv("USAGE_EXIT_CODE", raising=False)
+    assert launch.main(bad_key) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: unknown config key 'train.no_such_key'")
+    monkeypatch.setenv("USAGE_EXIT_CODE", "0")
+    assert launch.main(bad_key) == 0
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("error: unknown config key 'train.no_such_key'") and last.endswith(
+        "; exit 0 in place of 2 (USAGE_EXIT_CODE=0): not restarted"), last
+    for rc in (0, 1, 75, 137):  # done, failed, stopped after a checkpoint, killed: as they were
+        monkeypatch.setattr(launch, "_main", lambda argv, rc=rc: rc)
+        assert launch.main([]) == rc
+    monkeypatch.undo()
+    monkeypatch.setattr(launch.Signals, "install", lambda self: None)
+    for value in ("1", "75", "256", "x"):  # 1 and the requeue code would be restarted: refused, exit 2
+        monkeypatch.setenv("USAGE_EXIT_CODE", value)
+        assert launch.main(["--dry-run", "--config", "configs/default.yaml"]) == 2, value
+        assert capsys.readouterr().err.startswith("error: USAGE_EXIT_CODE must be an exit code from 0 to 255"), value

@@ -122,7 +122,8 @@ class Project:
 
     def __init__(self, tmp: Path, tag: str, *overrides: str):
         self.name = f"ddp-test-{uuid.uuid4().hex[:8]}"
-        tasks = tmp / "tasks"
+        self.tasks, self.overrides = tmp / "tasks", overrides
+        tasks = self.tasks
         tasks.mkdir()
         shutil.copy(ROOT / "tests" / "small_task.py", tasks)
         (tasks / "my.yaml").write_text(yaml.safe_dump(my_config(*overrides)))
@@ -172,8 +173,10 @@ def project(image, tmp_path):
         p.down()
 
 
-def test_compose_cpu_nodes_started_last_node_first_train_to_the_end(project):
-    """Node 1 first; the rendezvous host, node 0, tens of seconds later: node 1 waits for it."""
+def test_compose_cpu_nodes_started_last_node_first_train_to_the_end_then_a_usage_error_ends_them_once(project):
+    """Node 1 first; the rendezvous host, node 0, tens of seconds later: node 1 waits for it. Then the same nodes
+    started again on a config with a bad key: each ends once (USAGE_EXIT_CODE=0, which restart: on-failure does
+    not restart), neither waits at the rendezvous, and the error's line is its log's last."""
     p = project("train.steps=12")
     p("up", "-d", "cpu-node1")
     # Node 1 says it waits for the rendezvous host (then polls it every second): start node 0 only then.
@@ -185,6 +188,26 @@ def test_compose_cpu_nodes_started_last_node_first_train_to_the_end(project):
     p.wait_done()
     s = summary(p.run_dir())
     assert s["world_size"] == 2 and s["steps"] == 12 and s["ranks_in_sync"], s
+
+    # A usage error: the same containers (compose starts them again), the task's my.yaml with an unknown key.
+    nodes = {n: p.container(n) for n in _profile("cpu")}
+    assert all(state(c) == ("exited", 0, 0) for c in nodes.values()), {n: state(c) for n, c in nodes.items()}
+    started = {n: docker("inspect", "-f", "{{.State.StartedAt}}", c).stdout for n, c in nodes.items()}
+    p.tasks.joinpath("my.yaml").write_text(yaml.safe_dump(my_config(*p.overrides, "train.no_such_key=1")))
+    p("up", "-d")
+
+    def ended_again() -> bool:
+        return all(docker("inspect", "-f", "{{.State.StartedAt}}", c).stdout != started[n]
+                   and state(c)[0] != "running" for n, c in nodes.items())
+
+    wait_for(ended_again, 120, "both nodes to start and end", every=0.5)
+    time.sleep(5)  # on-failure restarts a failed container after 0.1 s, and the usage error takes about 1.5 s
+    for name, c in nodes.items():
+        assert state(c) == ("exited", 0, 0), (name, state(c), logs(c))
+        proc = docker("logs", "--tail", "1", c)
+        last = (proc.stdout + proc.stderr).strip()
+        assert last.startswith("error: unknown config key 'train.no_such_key'") and last.endswith(
+            "; exit 0 in place of 2 (USAGE_EXIT_CODE=0): not restarted"), (name, last)
 
 
 def test_compose_a_killed_node_comes_back_and_the_job_finishes(project):

@@ -10,12 +10,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from train import config
-from train.errors import EXIT_REQUEUE, ConfigError
+from train.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from train.launch.rendezvous import check_conf, split_endpoint
 
 # The launcher's own code for "stopped after a checkpoint, relaunch me" where a scheduler needs another one
 # (3-255): the PyTorchJob's restartPolicy ExitCode retries only 128-255 (k8s/pytorchjob.yaml sets 143).
 REQUEUE_CODE_VAR = "REQUEUE_EXIT_CODE"
+# The launcher's code for a usage error where a restart policy cannot tell it from a failure: Docker's
+# `restart: on-failure` restarts every exit but 0, so docker-compose.yml sets 0 (its line then says so).
+USAGE_CODE_VAR = "USAGE_EXIT_CODE"
 # A scheduler's grace period (SIGTERM to SIGKILL) is the stop budget plus this: torchrun's and the launcher's
 # own exit after the workers' save (the launcher waits up to the budget + 5 s for them). The k8s manifests'
 # terminationGracePeriodSeconds are STOP_TIMEOUT + GRACE_MARGIN_S (tests/systems/test_k8s.py).
@@ -160,6 +163,29 @@ def requeue_exit_code(env: Mapping[str, str]) -> int:
         raise ConfigError(f"{REQUEUE_CODE_VAR} must be an exit code from 3 to 255 (0, 1 and 2 mean done, failed "
                           f"and usage error), got {value!r}")
     return int(value)
+
+
+def usage_exit_code(env: Mapping[str, str]) -> int:
+    """The code the launcher exits with for a usage error: USAGE_EXIT_CODE, or 2."""
+    value = env.get(USAGE_CODE_VAR, "").strip()
+    if not value:
+        return EXIT_USAGE
+    requeue = requeue_exit_code(env)
+    if not value.isdigit() or int(value) > 255 or int(value) in (1, requeue):
+        raise ConfigError(f"{USAGE_CODE_VAR} must be an exit code from 0 to 255 other than 1 and {requeue} (failed "
+                          f"and stopped after a checkpoint: both restarted), got {value!r}")
+    return int(value)
+
+
+def usage_line(line: str, env: Mapping[str, str]) -> str:
+    """A usage error's one line; where USAGE_EXIT_CODE maps its exit, the line says so (it stays the last)."""
+    try:
+        code = usage_exit_code(env)
+    except ConfigError:  # (the launcher refused the value first thing: that line is the one said)
+        return line
+    if code == EXIT_USAGE:
+        return line
+    return f"{line}; exit {code} in place of {EXIT_USAGE} ({USAGE_CODE_VAR}={code}): not restarted"
 
 
 def worker_env(env: Mapping[str, str], run_dir: Path, debug: bool) -> dict[str, str]:

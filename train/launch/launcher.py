@@ -24,6 +24,8 @@ When torchrun fails, the launcher ends with one line saying why and what to try.
 names as not answering (frozen) is killed by its node's launcher at once (_end_unanswered).
 REQUEUE_EXIT_CODE replaces the launcher's 75 by another code, for a scheduler that retries only some codes
 (a PyTorchJob's restartPolicy: ExitCode restarts 128-255 and fails the job on 1-127: k8s/pytorchjob.yaml).
+USAGE_EXIT_CODE replaces its 2 (a usage error), for a restart policy that restarts every other exit than 0
+(compose's restart: on-failure: docker-compose.yml sets 0); the error's one line, the last, then says so.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from train.launch.command import (
     requeue_exit_code,
     resolve,
     torchrun_command,
+    usage_exit_code,
+    usage_line,
     worker_env,
 )
 from train.launch.forwarding import Signals, Stopped, alive, children
@@ -68,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: exit {code} in place of {EXIT_REQUEUE} ({REQUEUE_CODE_VAR}={code}): the scheduler retries "
               f"it", file=sys.stderr)
         return code
+    if rc == EXIT_USAGE:
+        try:
+            return usage_exit_code(os.environ)  # (its line, said last, says so: usage_line)
+        except ConfigError:  # a bad value: refused with exit 2 first thing in _main
+            return rc
     return rc
 
 
@@ -79,6 +88,7 @@ def _main(argv: list[str] | None) -> int:
         if warning := check_torch():  # a torch below the supported range is refused (ConfigError), above it told
             print(warning, file=sys.stderr, flush=True)
         requeue_exit_code(os.environ)  # a bad value is a usage error now, not at the end of a run
+        usage_exit_code(os.environ)
         opts = resolve(args, os.environ)
         # torchrun's process checks every key before it starts a worker (torchrun.py); here, the trainer's, and
         # the task's too where torch is imported here anyway: a dry run, and before this node waits for the
@@ -91,7 +101,7 @@ def _main(argv: list[str] | None) -> int:
         if waits and not args.dry_run:
             config.make_run_dir(cfg.run_dir)  # as torchrun's process does (torchrun.py), before the wait
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(usage_line(f"error: {e}", os.environ), file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
@@ -244,7 +254,7 @@ def _run(cmd: list[str], opts: dict[str, str | None], cfg: config.Config, signal
             # own error; a hang)
             passthrough.close(failed_workers=judged.report)
         if judged.line:
-            say_last(judged.line)
+            say_last(usage_line(judged.line, os.environ) if judged.code == EXIT_USAGE else judged.line)
         if (usage and markers.read(cfg.run_dir, "STARTED", launch_id) is None and opts["nnodes"] == "1"
                 and signals.last_round == 0):
             # (several nodes share logs/ and .launch/; a later round's start follows one that may have trained)

@@ -15,11 +15,12 @@ The stop budget holds on every supported torch: where this torchrun does not kno
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 from train.config import make_run_dir
 from train.errors import EXIT_USAGE, ConfigError, say
-from train.launch.command import check_training_args, check_world
+from train.launch.command import check_training_args, check_world, usage_line
 from train.startup import frozen_imports
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int | None:
                 # folder, and torchrun would restart it as a crash.
                 make_run_dir(cfg.run_dir)
         except ConfigError as e:
-            say(f"error: {e}")
+            say(usage_line(f"error: {e}", os.environ))  # (its launcher exits with USAGE_EXIT_CODE)
             return EXIT_USAGE
         from torch.distributed.run import main as torchrun
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from train import config
 from train.checkpoint.storage import NAME, complete_checkpoints
 from train.errors import EXIT_REQUEUE, EXIT_USAGE, say
+from train.launch.command import usage_line
 from train.launch.forwarding import Signals, Stopped
 from train.launch.rendezvous import split_endpoint
 from train.stops import markers
@@ -132,10 +133,11 @@ class History:
         last = LAST_SAID[0] if LAST_SAID else f"exit {rc}"
         if self.limit and count >= self.limit:
             self._write(None)
-            say_last(f"error: {count} launches in a row failed without advancing the checkpoint past step "
-                     f"{self.start} (the last: {last.removeprefix('error: ').removeprefix('launch: ')}): not retried "
-                     f"(exit {EXIT_USAGE}); fix the cause and relaunch, or raise --max-failed-launches "
-                     f"(MAX_FAILED_LAUNCHES)")
+            cause = last.removeprefix('error: ').removeprefix('launch: ')
+            say_last(usage_line(f"error: {count} launches in a row failed without advancing the checkpoint past "
+                                f"step {self.start} (the last: {cause}): not retried (exit {EXIT_USAGE}); fix the "
+                                f"cause and relaunch, or raise --max-failed-launches (MAX_FAILED_LAUNCHES)",
+                                os.environ))
             return EXIT_USAGE
         self._write({"step": self.start, "failed": count, "last": last, "time": time.time()})
         return rc
