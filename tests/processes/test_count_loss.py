@@ -19,7 +19,8 @@ SEQ = 16  # tokens a window: a conversation of L tokens has ceil((L - 1) / 16) w
 # fp32, the nano GPT, a global batch of 4 windows, 4 steps; a loss logged each step
 COUNTED = [f"task.seq_len={SEQ}", "task.model=nano", "train.global_batch_size=4", "train.precision=fp32",
            "train.steps=4", "train.log_every=1", "optim.warmup_steps=1"]
-SPLITS = [(1, 4), (1, 2), (1, 1), (2, 1), (4, 1)]  # (ranks, micro-batch size): 1 to 4 passes a rank
+# (ranks, micro-batch size, dist.strategy): 1 to 4 passes a rank; FSDP's reduce-scatter averages as DDP does
+SPLITS = [(1, 4, "ddp"), (1, 2, "ddp"), (1, 1, "ddp"), (2, 1, "ddp"), (4, 1, "ddp"), (2, 1, "fsdp")]
 RTOL = 1e-5  # fp32 rounding: the sums run in another order
 # The weights: to RTOL of the largest (layer norms' ~1). Attention's key bias has an exactly zero gradient (softmax
 # ignores a shift common to all keys): AdamW normalizes its rounding noise into updates of ~1e-6 that differ from
@@ -50,13 +51,14 @@ def write_chats(folder: Path, conversations: int, seed: int, counted: bool = Tru
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory) -> dict[tuple[int, int], Path]:
+def split_runs(tmp_path_factory) -> dict[tuple[int, int, str], Path]:
     root = tmp_path_factory.mktemp("count")
     data = write_chats(root / "data", 24, seed=69)
     runs = {}
-    for nproc, micro in SPLITS:
-        run = runs[nproc, micro] = root / f"r{nproc}m{micro}"
-        run_lm(run, *COUNTED, f"task.data={data}", f"train.micro_batch_size={micro}", nproc=nproc)
+    for nproc, micro, strategy in SPLITS:
+        run = runs[nproc, micro, strategy] = root / f"r{nproc}m{micro}{strategy}"
+        run_lm(run, *COUNTED, f"task.data={data}", f"train.micro_batch_size={micro}", f"dist.strategy={strategy}",
+               nproc=nproc)
     return runs
 
 
@@ -64,7 +66,8 @@ def test_ranks_and_micro_batch_splits_give_the_same_losses_and_weights(split_run
     losses = {split: train_losses(run) for split, run in split_runs.items()}
     reference = losses[SPLITS[0]]
     assert sorted(reference) == [1, 2, 3, 4], reference
-    table = "\n".join(f"{n} rank(s), micro {m}: {[round(v, 6) for v in ls.values()]}" for (n, m), ls in losses.items())
+    table = "\n".join(f"{n} rank(s), micro {m}, {d}: {[round(v, 6) for v in ls.values()]}"
+                      for (n, m, d), ls in losses.items())
     for split, got in losses.items():
         assert got == pytest.approx(reference, rel=RTOL), f"{split} differs:\n{table}"
     evals = {split: summary(run)["eval_loss"] for split, run in split_runs.items()}
