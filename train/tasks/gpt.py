@@ -15,9 +15,9 @@ transposed, the vocabulary's padding rows left out), and `python -m train.export
 the init_from folder's tokenizer and generation_config.json, where the run started from one).
 
 `python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
-shards.MaskedWindows, makes a step's loss
-the sum over its counted tokens over their count: count()). Throughput is counted in tokens, evaluation
-logs the loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
+shards.MaskedWindows, makes a step's loss the sum over all its counted tokens over their number: count()).
+Throughput is counted in tokens, evaluation logs the loss per token and its perplexity, and MFU on GPUs uses
+nanoGPT's FLOP count (flops_per_sample).
 """
 
 from __future__ import annotations
