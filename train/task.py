@@ -22,7 +22,12 @@ What the trainer asks of a task, and only that:
   ranks): the trainer shards it first (FSDP2), gives each rank's shard its memory, and fills it with
   `init_parameter`, or with pretrained weights (`init_from`).
 - `loss(model, batch)`: the mean loss of a micro-batch already on the device, a scalar tensor; run under
-  autocast; the trainer scales, accumulates and steps.
+  autocast; the trainer scales, accumulates and steps. With `count` (below): the SUM over the batch's counted
+  targets instead.
+- optional `count(batch)`: how many targets a micro-batch counts (a language model's unmasked tokens), a tensor,
+  from the batch alone (as the loader yields it, on the host); None: the loss is a per-sample mean. Where it is
+  a count, a step's loss is the sum over all its counted targets (all micro-batches, all ranks) divided by their
+  number: the same whatever the world size and the micro-batch split.
 - optional `collate(items)`: how a micro-batch's items (a list of what `ds[i]` returns) make one batch, for
   training and evaluation alike: padding, packing, masks (items of different sizes: token sequences, audio,
   boxes). Default: torch's default_collate, which stacks them; items that differ in size are then one line
@@ -81,6 +86,14 @@ class Task:
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def count(self, batch: Any) -> torch.Tensor | None:
+        """How many targets `batch` counts (a scalar tensor, from the batch alone: the trainer calls it on the batch
+        as the loader yields it, before it goes to the device), where loss() returns the SUM over them: the trainer
+        then divides the step's gradients by the count over the whole step (all micro-batches, all ranks), and the
+        logged loss is the step's sum over that count. None (the default): loss() is the batch's per-sample mean,
+        and micro-batches are weighted by their samples."""
+        return None
+
     def collate(self, items: list) -> Any:
         """One batch of a micro-batch's items (`ds[i]` of each), for training and evaluation alike: pad, pack,
         build masks. The trainer moves what it returns (tensors, or tuples, lists and dicts of them) to the
@@ -91,7 +104,10 @@ class Task:
 
     def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor | float]:
         """Sums over one evaluation batch, and "count": what they are averaged over. The trainer sums them
-        over all batches and ranks and logs eval_<key> = sum / count. Default: the loss per sample."""
+        over all batches and ranks and logs eval_<key> = sum / count. Default: the loss per sample; with count():
+        the summed loss and the batch's count (the loss per counted target over the whole evaluation)."""
+        if (counted := self.count(batch)) is not None:
+            return {"loss": self.loss(model, batch).float(), "count": counted}
         n = int(first_tensor(batch).shape[0])
         return {"loss": self.loss(model, batch).float() * n, "count": n}
 

@@ -62,6 +62,7 @@ class Training:
     watched: frozenset[str] = frozenset()  # the floating buffers finite at the start, which check_weights watches
     # What the run is doing, for the line of an error in it: "build" (before training), "step", "evaluation", "save"
     doing: str = "build"
+    said_no_count: bool = False  # whether the log said a step had no counted target (once a launch)
 
     def when(self) -> str:
         """Where in the run an error happened, in words: "at step 3", "in the evaluation after step 2"."""
@@ -70,16 +71,28 @@ class Training:
                 "evaluation": f"in the evaluation after step {step}"}.get(self.doing, f"at step {step + 1}")
 
 
-def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torch.Tensor:
-    """One optimizer step over micro-batches of `sizes` samples; returns the mean loss of this rank's share
-    of the step (a tensor: no sync)."""
+def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torch.Tensor | None:
+    """One optimizer step over micro-batches of `sizes` samples; returns this rank's part of the step's loss (a
+    tensor: no sync), or None for a step with no counted target on any rank (task.count()), which moves no weight.
+
+    A task without count(): each micro-batch's mean loss weighted by its samples, the mean over the rank's share
+    (DDP/FSDP average over the ranks). A task with count(): each micro-batch's loss is its sum over its counted
+    targets; their number over the whole step (all micro-batches, all ranks) is all-reduced while the last
+    micro-batch computes, and the gradients are scaled by world_size / that count before clipping (the gradient
+    all-reduce already divided by world_size): the step's gradient is the one of its summed loss over its count,
+    whatever the world size and the micro-batch split."""
     cfg, state = t.cfg, t.state
     optim.set_lr(state.optimizer, optim.lr_at(state.step, cfg.train.steps, cfg.optim))
     total = None
     accum, share, uneven = len(sizes), sum(sizes), len(set(sizes)) > 1
+    local = None  # the rank's counted targets so far this step (a task with count()), a host tensor
     for micro, size in enumerate(sizes):
         with meter.waiting_for_data():
             batch = next(batches)
+        if (counted := t.task.count(batch)) is not None:  # on the batch as the loader made it: on the host
+            local = counted if local is None else local + counted
+        if micro == accum - 1 and local is not None:
+            global_count = _count_over_ranks(t, local)  # launched before the last micro-batch's compute
         batch = to_device(batch, t.device, cfg.train.channels_last)
         # Only the last micro-step all-reduces (DDP) or reduce-scatters (FSDP); the others accumulate locally.
         sync = contextlib.nullcontext() if micro == accum - 1 else wrapping.no_sync(t.wrapped)
@@ -88,15 +101,25 @@ def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torc
             if not (torch.is_tensor(loss) and loss.dim() == 0):
                 raise ConfigError(f"task {cfg.task_name}: loss() must return a scalar tensor, got "
                                   f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
-            # Each micro-batch's mean loss weighted by its samples: the step's gradient is the mean over the share.
-            # Equal micro-batches divide by `accum` (the same weight, and the same bits as ever); one micro-batch
-            # is not divided at all (x / 1 is x: two kernels fewer).
-            if uneven:
+            # Without count(): each micro-batch's mean loss weighted by its samples, the step's gradient the mean
+            # over the share. Equal micro-batches divide by `accum` (the same weight, and the same bits as ever);
+            # one micro-batch is not divided at all (x / 1 is x: two kernels fewer). With count(): the sums as
+            # they are, scaled once after the backward.
+            if local is not None:
+                pass
+            elif uneven:
                 loss = loss * (size / share)
             elif accum > 1:
                 loss = loss / accum
             state.scaler.scale(loss).backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()
+    if local is not None:
+        scale = _scale_by_count(t, local, global_count)
+        if scale is None:
+            state.optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            return None
+        total = total * scale  # the rank's summed loss * world_size / count: its part of the step's loss
     if cfg.train.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)  # FSDP: over all shards
@@ -105,6 +128,44 @@ def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torc
     state.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     return total
+
+
+def _count_over_ranks(t: Training, local: torch.Tensor):
+    """The step's counted targets over all ranks: the rank's `local` count all-reduced (SUM, float64: exact up to
+    2**53) asynchronously, a (tensor on the device, work) pair; one process: (None, None), nothing to reduce."""
+    if t.world_size == 1:
+        return None, None
+    count = local.detach().to(device=t.device, dtype=torch.float64, non_blocking=True)
+    return count, torch.distributed.all_reduce(count, async_op=True)
+
+
+def _scale_by_count(t: Training, local: torch.Tensor, global_count) -> torch.Tensor | None:
+    """After the backward of a step of a task with count(): its gradients scaled by world_size / the step's count
+    over all ranks, in place (a float32 tensor, also returned: the loss's scale); None when no rank counted any
+    target, the gradients left as they are (zero) for the caller to drop, said once in the log. No host wait where
+    this rank counted a target: the host reads the all-reduced count only where its own is 0, which every rank with
+    a count of 0 does alike (only all of them together skip the step)."""
+    count, work = global_count
+    here = local.item()  # a host tensor (count() on the loader's batch): no wait for the device
+    if work is not None:
+        work.wait()  # NCCL: the stream waits for the all-reduce, not the host
+    if here == 0 and (count is None or count.item() == 0):
+        if not t.said_no_count:
+            t.said_no_count = True
+            if t.log.is_main:  # every rank skips alike: one line for all
+                t.log.warning(f"step {t.state.step + 1}: no target counts in the loss on any rank (task.count() is 0 "
+                              f"for all of the step's batches): the step moves no weight and the optimizer skips "
+                              f"it (said once)")
+        return None
+    if count is None:
+        scale = torch.full((), 1.0 / float(here), dtype=torch.float32, device=t.device)
+    else:
+        scale = (t.world_size / count).to(torch.float32)
+    grads = [p.grad for p in t.state.model.parameters() if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP: each rank's shard
+    if grads:
+        torch._foreach_mul_(grads, scale)
+    return scale
 
 
 def _micro_steps(sizes: list[int]) -> str:
@@ -148,8 +209,9 @@ def fit(t: Training, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
         if state.eval_pending and _evaluate(t, meter) is None:
             return _stop(t, ckpt)
         t.doing = "step"
-        state.window_loss += train_step(t, batches, sizes, meter)
-        state.window_steps += 1
+        if (loss := train_step(t, batches, sizes, meter)) is not None:  # None: a step with no counted target
+            state.window_loss += loss
+            state.window_steps += 1
         meter.step_done()
         step = state.step
         log.advance(step)
@@ -186,9 +248,10 @@ def _log_window(t: Training, ckpt: Checkpointer, meter: StepMeter) -> None:
     before a resume: its sum and length come from the checkpoint); a loss that is not finite ends the run."""
     state, step = t.state, t.state.step
     loss_sum, n = distributed.all_reduce_sum([state.window_loss.item(), state.window_steps], t.device)
-    t.log.train({"step": step, "epoch": state.data.epoch, "loss": loss_sum / n,
+    # n: the window's steps that counted a target (task.count()); a window of none has no loss (NaN), not a divergence
+    t.log.train({"step": step, "epoch": state.data.epoch, "loss": loss_sum / n if n else math.nan,
                  "lr": state.optimizer.param_groups[0]["lr"]} | meter.window())
-    if not math.isfinite(loss_sum) and t.cfg.train.precision != "fp16":  # (fp16: the GradScaler's skipped steps)
+    if n and not math.isfinite(loss_sum) and t.cfg.train.precision != "fp16":  # (fp16: the GradScaler's skipped steps)
         raise _diverged(t, ckpt, f"the training loss of steps {step - state.window_steps + 1}-{step} is "
                                  f"{loss_sum / n}")
     state.window_loss.zero_()

@@ -195,8 +195,9 @@ def test_chat_errors_are_one_line(tmp_path, capsys):
 
 
 def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_only(tmp_path):
-    """The Hugging Face task on masked shards: its windows are a conversation each, its loss the mean cross entropy of
-    transformers' logits over the assistant's targets alone, its evaluation summed over them and counting them."""
+    """The Hugging Face task on masked shards: its windows are a conversation each, its loss the summed cross entropy
+    of transformers' logits over the assistant's targets alone and count() their number (the trainer divides by the
+    step's count), its evaluation summed over them and counting them."""
     import torch.nn.functional as F
 
     from train import config
@@ -219,6 +220,7 @@ def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_on
     with torch.no_grad():
         logits = hf_models.logits_of(folder, x)
         expect = F.cross_entropy(logits[counted], y[counted])
-        assert task.loss(model, (x, y)).item() == pytest.approx(expect.item(), rel=1e-5)
+        assert task.loss(model, (x, y)).item() == pytest.approx(28 * expect.item(), rel=1e-5)
+        assert task.count((x, y)) == 28
         ev = task.eval_step(model, (x, y))
     assert ev["count"] == 28 and ev["loss"].item() == pytest.approx(28 * expect.item(), rel=1e-5)

@@ -15,8 +15,9 @@ transposed, the vocabulary's padding rows left out), and `python -m train.export
 the init_from folder's tokenizer and generation_config.json, where the run started from one).
 
 `python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
-shards.MaskedWindows, makes the loss the mean over the counted tokens). Throughput is counted in tokens, evaluation
-logs the loss per token and its perplexity, and MFU on GPUs uses nanoGPT's FLOP count (flops_per_sample).
+shards.MaskedWindows, makes a step's loss the sum over all its counted tokens over their number: count()).
+Throughput is counted in tokens, evaluation logs the loss per token and its perplexity, and MFU on GPUs uses
+nanoGPT's FLOP count (flops_per_sample).
 """
 
 from __future__ import annotations
@@ -171,7 +172,9 @@ class LanguageModel(Task):
             train = shards.Shard.of_array(builtin_tokens(self.seed, c.train_tokens, "train"), "builtin:train")
             val = shards.Shard.of_array(builtin_tokens(self.seed, c.eval_tokens, "val"), "builtin:val")
             return shards.TokenWindows([train], T), shards.TokenWindows([val], T)
-        return shards.windows(c.data, c.eval_data, c.format, T, g.vocab_size)
+        train, val = shards.windows(c.data, c.eval_data, c.format, T, g.vocab_size)
+        self.masked = isinstance(train, shards.MaskedWindows)
+        return train, val
 
     def model(self) -> nn.Module:
         with torch.device("meta"):  # no memory: the trainer shards it first, then gives it its values
@@ -204,9 +207,18 @@ class LanguageModel(Task):
             files = beside_weights(Path(self.cfg.init_from))
         return HFModel(config=config, tensors=tensors, base_prefix="transformer.", files=files)
 
+    masked = False  # whether the shards have loss masks (datasets() says): then count() counts their targets
+
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        return shards.lm_loss(model(x), y)  # over the targets that count (a masked shard's); autocast: in fp32
+        # Masked shards: the sum over the targets that count (count(): the trainer divides by the step's count).
+        # Others: the mean over the window's targets, as ever. Autocast: in fp32.
+        return shards.lm_loss(model(x), y, summed=self.masked)
+
+    def count(self, batch) -> torch.Tensor | None:
+        """Masked shards: the targets that count (the assistant's); others: None, the per-window mean, as ever
+        (every window counts all its seq_len targets: the same mean up to rounding, and the same bits as before)."""
+        return shards.lm_count(batch[1]) if self.masked else None
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch

@@ -145,10 +145,12 @@ class CausalLM(Task):
 
     def datasets(self) -> tuple[Dataset, Dataset]:
         c = self.cfg
-        return shards.windows(c.data, c.eval_data, c.format, c.seq_len, self.vocab_size(),
-                              vocab=f"the vocab_size of {c.path}/config.json,",
-                              hint=f"tokenized for another model? make the shards with this one's tokenizer "
-                                   f"(python -m train.prepare TEXT DIR --tokenizer {c.path})")
+        train, val = shards.windows(c.data, c.eval_data, c.format, c.seq_len, self.vocab_size(),
+                                    vocab=f"the vocab_size of {c.path}/config.json,",
+                                    hint=f"tokenized for another model? make the shards with this one's tokenizer "
+                                         f"(python -m train.prepare TEXT DIR --tokenizer {c.path})")
+        self.masked = isinstance(train, shards.MaskedWindows)
+        return train, val
 
     def model(self) -> nn.Module:
         config, t = self.hf_config(), _transformers()
@@ -233,9 +235,17 @@ class CausalLM(Task):
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x).logits
 
+    masked = False  # whether the shards have loss masks (datasets() says): then count() counts their targets
+
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
-        return shards.lm_loss(self.logits(model, x), y)  # over the targets that count; autocast: in fp32
+        # Masked shards: the sum over the targets that count (count(): the trainer divides by the step's count);
+        # others: the mean over the window's targets. Autocast: in fp32.
+        return shards.lm_loss(self.logits(model, x), y, summed=self.masked)
+
+    def count(self, batch) -> torch.Tensor | None:
+        """Masked shards: the targets that count (the assistant's); others: None, the per-window mean."""
+        return shards.lm_count(batch[1]) if self.masked else None
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         x, y = batch

@@ -399,10 +399,16 @@ class MaskedWindows(Dataset):
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The next-token cross entropy, the mean over the targets that count (all but IGNORE's; 0 where none does)."""
+def lm_loss(logits: torch.Tensor, y: torch.Tensor, summed: bool = False) -> torch.Tensor:
+    """The next-token cross entropy, the mean over the targets that count (all but IGNORE's; 0 where none does);
+    `summed`: their sum (lm_count counts them: the trainer divides by the step's count)."""
     total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    return total / (y != IGNORE).sum().clamp(min=1)
+    return total if summed else total / (y != IGNORE).sum().clamp(min=1)
+
+
+def lm_count(y: torch.Tensor) -> torch.Tensor:
+    """How many targets of `y` count in the loss (all but IGNORE's)."""
+    return (y != IGNORE).sum()
 
 
 def lm_eval(logits: torch.Tensor, y: torch.Tensor) -> dict:
