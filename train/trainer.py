@@ -105,11 +105,9 @@ def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torc
             # over the share. Equal micro-batches divide by `accum` (the same weight, and the same bits as ever);
             # one micro-batch is not divided at all (x / 1 is x: two kernels fewer). With count(): the sums as
             # they are, scaled once after the backward.
-            if local is not None:
-                pass
-            elif uneven:
+            if local is None and uneven:
                 loss = loss * (size / share)
-            elif accum > 1:
+            elif local is None and accum > 1:
                 loss = loss / accum
             state.scaler.scale(loss).backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import ROOT, clean_env
+from tests.quick.test_readme import shell_lines
 
 README = ROOT / "README.md"
 
@@ -166,17 +167,6 @@ def pages() -> list[Path]:
     return [README, *(ROOT / "docs" / n for n in dict.fromkeys(names))]
 
 
-def shell_lines(text: str) -> list[str]:
-    """The lines of a page's bash blocks: continuations joined, comments cut."""
-    lines = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in re.sub(r"\\\n\s*", "", block).splitlines():
-            line = re.split(r"\s+#\s", " " + line)[0].strip()
-            if line and not line.startswith("#"):
-                lines.append(line)
-    return lines
-
-
 def page_commands() -> list[tuple[str, str]]:
     return [(p.relative_to(ROOT).as_posix(), c) for p in pages() for c in shell_lines(p.read_text())]
 
@@ -199,10 +189,6 @@ def commands_page() -> str:
 
 # ---- the reader's steps in words, done before a command -----------------------------------------------------------
 
-TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. all that glitters is not gold. "
-        "the early bird catches the worm; the second mouse gets the cheese. ")
-
-
 def chat_bpe_model(folder: Path, kind: str) -> None:
     """What `hf download` would put there, tiny: a random model (Llama's architecture for models/my-model, GPT-2's for
     models/gpt2) and a byte-level BPE tokenizer with ChatML's chat template and its two special tokens."""
@@ -223,6 +209,13 @@ def chat_bpe_model(folder: Path, kind: str) -> None:
         hf_models.tiny_llama(folder, vocab=320, positions=1024, tokenizer=False)
 
 
+def corpus(scratch: Path) -> None:
+    """The reader's own text: the tiny tokenizer's sentences, enough for the GPT-2 example's 32 windows of 1024."""
+    from tests import hf_models
+
+    (scratch / "corpus.txt").write_text(hf_models.TEXT * 2000)
+
+
 def own_task(scratch: Path) -> None:
     """docs/first-hour.md, "Your own model and data": the example copied to tasks/, its config pointed at the copy."""
     (scratch / "tasks").mkdir(exist_ok=True)
@@ -240,8 +233,7 @@ BEFORE = {
         lambda s: chat_bpe_model(s / "models" / "my-model", "llama"),
     "hf download openai-community/gpt2 --local-dir models/gpt2":
         lambda s: chat_bpe_model(s / "models" / "gpt2", "gpt2"),
-    "python -m train.prepare corpus.txt data/my-text --tokenizer models/my-model":
-        lambda s: (s / "corpus.txt").write_text(TEXT * 2000),
+    "python -m train.prepare corpus.txt data/my-text --tokenizer models/my-model": corpus,
 }
 
 
@@ -329,6 +321,10 @@ def exported(run: str):
     return check
 
 
+def report(proc: subprocess.CompletedProcess, scratch: Path) -> None:
+    assert (scratch / "runs" / "default" / "report.png").is_file(), proc.stdout[-2000:]
+
+
 AFTER = {
     "make train-local": first_job,
     'make train-local ARGS="train.steps=100"': longer,
@@ -339,7 +335,7 @@ AFTER = {
     'task.seq_len=64 train.global_batch_size=8 train.steps=20 train.precision=fp32"': complete("hf-chat"),
     "python -m train.export runs/hf --format hf --dtype bf16": exported("hf"),
     "python -m train.export runs/gpt2-ft --format hf": exported("gpt2-ft"),
-    "python -m train.report runs/<name>": lambda proc, scratch: (scratch / "runs" / "default" / "report.png").is_file(),
+    "python -m train.report runs/<name>": report,
 }
 
 
@@ -389,7 +385,7 @@ def test_every_command_of_the_pages_runs_as_printed(tmp_path):
         assert proc.returncode == 0, f"{page}: `{command}` ({how}) exited {proc.returncode}\n" \
                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         if how == RUN and command in AFTER and command not in {c for _, c, _ in ran}:  # (again: a relaunch)
-            assert AFTER[command](proc, scratch) is not False, f"{page}: `{command}`"
+            AFTER[command](proc, scratch)
         ran.append((page, command, how))
     print("\n".join(f"{page}: {how}: {c}" for page, c, how in ran))
     assert len(ran) >= 25

@@ -8,7 +8,7 @@ import shlex
 import subprocess
 
 from tests.conftest import PY, ROOT, clean_env
-from tests.quick.test_readme import README
+from tests.quick.test_readme import README, shell_lines
 
 
 def test_config_error_example_is_what_the_program_prints():
@@ -46,12 +46,7 @@ LAUNCHERS = ("python -m ", "make ", "sudo make ", "sbatch ", "kubectl apply ", "
 def doc_commands(text: str) -> list[str]:
     """The commands a page shows: each line of its bash blocks (continuations joined, comments cut) and each
     inline code span that starts like a command."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.split(r"\s+#\s", " " + line)[0].strip()
-            if line and not line.startswith("#"):
-                commands.append(line)
+    commands = shell_lines(text)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     for span in re.findall(r"`([^`]+)`", prose):
         span = " ".join(span.split())

@@ -8,6 +8,17 @@ from tests.conftest import ROOT
 README = (ROOT / "README.md").read_text()
 
 
+def shell_lines(text: str) -> list[str]:
+    """The lines of a page's bash blocks: continuations joined, comments cut."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", "", block).splitlines():
+            line = re.split(r"\s+#\s", " " + line)[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
 def test_setup_commands_are_the_ones_ci_runs():
     quick = README.split("## Quick start", 1)[1].split("##", 1)[0]
     commands = [line.split("#")[0].strip() for line in re.findall(r"```bash\n(.*?)```", quick, re.S)[0].splitlines()]
