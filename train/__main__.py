@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             from train.parallel import distributed
 
         denv = distributed.detect()
-        config.validate(cfg, denv.world_size)
+        config.validate(cfg, denv.world_size, denv.local_world_size)
         if args.check:
             import yaml
 

@@ -77,8 +77,9 @@ class TrainConfig:
 @dataclass
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
-    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 (fully_shard) per block of the task and at the root
-    reshard_after_forward: bool = True  # fsdp: free the gathered parameters after each block's forward
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"  # fsdp: FSDP2 per block and at the root; hsdp: fsdp in groups
+    shard_size: int = 0  # hsdp: ranks a group shards over, a replica per group (0: a node's ranks)
+    reshard_after_forward: bool = True  # fsdp, hsdp: free the gathered parameters after each block's forward
     timeout_s: float = 600.0  # init and collectives; a hung rank fails the job after this
     bucket_cap_mb: float = 25.0  # ddp: gradient all-reduce bucket size
     gradient_as_bucket_view: bool = True  # ddp: gradients are views of the buckets (less memory)
@@ -462,8 +463,25 @@ def _batch_split_error(batch: int, world_size: int) -> str:
             f"(a multiple of {world_size})")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Range checks; with world_size, also the batch arithmetic of that world."""
+def shard_ranks(cfg: Config, world_size: int, per_node: int) -> int:
+    """The ranks each parameter is spread over: none but its own under DDP, every rank under FSDP, a group of
+    dist.shard_size (0: a node's `per_node`) under HSDP, whose world holds world_size / that many replicas."""
+    strategy = cfg.dist.strategy
+    return 1 if strategy == "ddp" else world_size if strategy == "fsdp" else cfg.dist.shard_size or per_node
+
+
+def _shard_split_error(shard: int, world_size: int, per_node: bool) -> str:
+    """The one line for HSDP groups that do not split the world, with the group sizes that do."""
+    size = f"0 (the ranks of a node, {shard} here)" if per_node else f"{shard}"
+    fits = ", ".join(str(n) for n in range(1, world_size + 1) if world_size % n == 0)
+    return (f"dist.shard_size={size} does not divide the {world_size} ranks (dist.strategy=hsdp shards the model "
+            f"within groups of that many ranks, a replica per group): run a multiple of {shard} ranks, or set "
+            f"dist.shard_size to one of {fits}")
+
+
+def validate(cfg: Config, world_size: int | None = None, per_node: int | None = None) -> None:
+    """Range checks; with world_size, also the batch arithmetic of that world, and with per_node (the ranks of a
+    node) or a set dist.shard_size, HSDP's groups in it."""
     t, d, o, c = cfg.train, cfg.data, cfg.optim, cfg.checkpoint
     _require(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
     _require(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
@@ -488,6 +506,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in ("static_graph", "find_unused_parameters"):
         _require(cfg.dist.strategy == "ddp" or not getattr(cfg.dist, key),
                  f"dist.{key} is a DDP option: it has no meaning with dist.strategy={cfg.dist.strategy}")
+    _require(cfg.dist.shard_size >= 0,
+             f"dist.shard_size must be >= 0 (0: the ranks of a node), got {cfg.dist.shard_size}")
+    _require(cfg.dist.strategy == "hsdp" or not cfg.dist.shard_size,
+             f"dist.shard_size is an HSDP option: it has no meaning with dist.strategy={cfg.dist.strategy}")
     _require(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
     _require(c.keep >= 2, f"checkpoint.keep must be >= 2, got {c.keep}")
     _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
@@ -505,3 +527,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world_size is not None:
         if t.global_batch_size % world_size:
             raise ConfigError(_batch_split_error(t.global_batch_size, world_size))
+        if cfg.dist.strategy == "hsdp" and (cfg.dist.shard_size or per_node):
+            shard = shard_ranks(cfg, world_size, per_node or 0)
+            if world_size % shard:
+                raise ConfigError(_shard_split_error(shard, world_size, not cfg.dist.shard_size))

@@ -53,7 +53,9 @@ def out_of_memory(e: BaseException, when: str, cfg: Config) -> str | None:
              f"more micro-batches a step)" if t.micro_batch_size > 1 else ""]
     fixes += ["train in bf16 (train.precision=bf16)" if t.precision == "fp32" else "",
               "set train.activation_checkpointing=true" if not t.activation_checkpointing else "",
-              "shard the model over the GPUs with dist.strategy=fsdp" if cfg.dist.strategy != "fsdp" else ""]
+              {"ddp": "shard the model over the GPUs with dist.strategy=fsdp",
+               "hsdp": "shard the model over more GPUs (a larger dist.shard_size, or dist.strategy=fsdp)"}.get(
+                  cfg.dist.strategy, "")]
     fixes = [f for f in fixes if f] or ["train a smaller model or on a GPU with more memory"]
     return (f"out of GPU memory {when}{f' ({what})' if what else ''}: "
             f"{', '.join(fixes[:-1]) + ', or ' if len(fixes) > 1 else ''}{fixes[-1]}")

@@ -41,6 +41,8 @@ BY_KEY = {
     "train.precision": (TRAINING, ""),
     "train.grad_clip": (TRAINING, ""),
     "task.name": (REFUSED, "another task"),
+    "dist.strategy": (APPLIED, "the checkpoint is resharded as it loads"),
+    "dist.shard_size": (APPLIED, "the checkpoint is resharded as it loads"),
 }
 NOT_COMPARED = ("run.", "resume")
 

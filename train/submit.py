@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     nproc, per_node, source = processes_per_node(args)
     world = args.nodes * per_node
     try:  # and so does the batch arithmetic of the world the job will start
-        config.validate(cfg, world)
+        config.validate(cfg, world, per_node)
     except ConfigError as e:
         print(f"error: {e}; the job's world size is --nodes {args.nodes} x {per_node} processes per node ({source}): "
-              "change them or the batch size", file=sys.stderr)
+              "change them or the setting named", file=sys.stderr)
         return EXIT_USAGE
     if shutil.which("sbatch") is None:
         print("error: sbatch not found: train.submit submits to a SLURM cluster (see docs/slurm.md)",

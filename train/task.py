@@ -121,7 +121,7 @@ class Task:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The model's repeated parts (a transformer's blocks, a ResNet's stages): each is an FSDP unit
-        (dist.strategy=fsdp) and what train.activation_checkpointing recomputes. Default: none (FSDP
+        (dist.strategy=fsdp or hsdp) and what train.activation_checkpointing recomputes. Default: none (FSDP
         shards the model as one unit, gathered whole for its forward)."""
         return []
 

@@ -29,7 +29,7 @@ from train.checkpoint.checkpointer import Checkpointer
 from train.checkpoint.dcp_io import error_text, error_traceback, first_error
 from train.checkpoint.state import TrainState
 from train.checkpoint.storage import SaveError
-from train.config import Config, ConfigError
+from train.config import Config, ConfigError, shard_ranks
 from train.errors import EXIT_REQUEUE, say
 from train.evaluation import Evaluation
 from train.observe.log import RunLog, check_tracker
@@ -175,18 +175,40 @@ def _micro_steps(sizes: list[int]) -> str:
 
 
 def ranks_in_sync(t: Training) -> bool:
-    """Whether every rank holds bitwise the same parameters and buffers (BatchNorm statistics): DDP's
-    promise for the first, the evaluation's for the second; a cheap end-of-run check. Under FSDP each rank
-    holds only its shard of each parameter, which is no copy of another rank's: the check is about the
-    buffers (gathering the shards to compare would put the whole model on every rank)."""
-    h = hashlib.sha256()
+    """Whether the ranks that should hold bitwise the same tensors do: every rank the same buffers (BatchNorm
+    statistics: the evaluation's promise), and the same parameters as every rank that holds the same part of
+    them (DDP's promise, HSDP's between its replicas: each place in a group holds one shard); a cheap
+    end-of-run check. Under FSDP each rank's shard is its own, compared with nobody's (gathering the shards to
+    compare would put the whole model on every rank)."""
     model = t.state.model
-    for x in [*model.parameters(), *model.buffers()]:
-        if not hasattr(x, "to_local"):  # a DTensor (FSDP's shard) is left out
-            h.update(x.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    digests = [None] * t.world_size
-    torch.distributed.all_gather_object(digests, h.hexdigest())
-    return len(set(digests)) == 1
+    ranks, place = wrapping.shard_group(model)
+    held, buffers = hashlib.sha256(), hashlib.sha256()
+    compared = [] if ranks == t.world_size else model.parameters()  # FSDP: no shard has a copy
+    for digest, tensors in ((held, compared), (buffers, model.buffers())):
+        for x in tensors:
+            x = x.to_local() if hasattr(x, "to_local") else x  # a DTensor: this rank's shard
+            digest.update(x.detach().cpu().reshape(-1).view(torch.uint8).numpy())  # (no copy of its bytes)
+    everyone = [None] * t.world_size
+    torch.distributed.all_gather_object(everyone, (place, held.hexdigest(), buffers.hexdigest()))
+    return digests_agree(everyone)
+
+
+def digests_agree(everyone: list[tuple[int, str, str]]) -> bool:
+    """(place in the shard group, parameters' digest, buffers' digest) of each rank: the same buffers everywhere,
+    the same parameters at each place."""
+    held: dict[int, set[str]] = {}
+    for place, params, _ in everyone:
+        held.setdefault(place, set()).add(params)
+    return len({b for _, _, b in everyone}) == 1 and all(len(h) == 1 for h in held.values())
+
+
+def _groups(cfg: Config, model: nn.Module, world_size: int) -> str:
+    """HSDP's layout for the model's log line: ', shards over groups of 2 ranks, 4 replicas'."""
+    if cfg.dist.strategy != "hsdp":
+        return ""
+    ranks = wrapping.shard_group(model)[0]
+    replicas = world_size // ranks
+    return f", shards over groups of {ranks} rank{'s' * (ranks > 1)}, {replicas} replica{'s' * (replicas > 1)}"
 
 
 def fit(t: Training, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
@@ -344,7 +366,7 @@ def configure_torch(cfg: Config) -> None:
 def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision: resume.Decision) -> Training:
     """Everything a run trains with, for the launch's resume decision: a model that a checkpoint will fill is
     given memory but no initial values."""
-    if cfg.dist.strategy == "fsdp":
+    if cfg.dist.strategy != "ddp":
         host_memory.return_freed_memory()  # each step's gathered blocks, freed, go back: train/parallel/host_memory.py
     task = cfg.task_class(cfg.task, cfg.seed)
     train_set, eval_set = task.datasets()
@@ -360,7 +382,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision
     log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
     if cfg.dist.sync_bn:
         raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
-    meta = wrapping.on_meta(raw)  # built on the meta device: no memory until it is sharded (FSDP) or wrapped
+    meta = wrapping.on_meta(raw)  # built on the meta device: no memory until it is sharded (FSDP, HSDP) or wrapped
     loads = frozenset(_loaded_whole(task, raw, decision) if meta else ())
     if not meta:
         raw = raw.to(device)
@@ -368,8 +390,9 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision
         wrapping.materialize(raw, task, device, cfg.seed, skip=loads)
     if cfg.train.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
-    wrapped = wrapping.wrap(cfg, task, raw, device)  # DDP, or FSDP2 sharding raw in place
-    if meta and cfg.dist.strategy == "fsdp":
+    shards = shard_ranks(cfg, denv.world_size, denv.local_world_size)
+    wrapped = wrapping.wrap(cfg, task, raw, device, shards)  # DDP, or FSDP2 sharding raw in place (HSDP: in groups)
+    if meta and cfg.dist.strategy != "ddp":
         wrapping.materialize(raw, task, device, cfg.seed, skip=loads)  # each rank's shards only
     step_loss = step_loss_fn(cfg, task, wrapped, device)
     # The weights are made: from here each rank draws numbers of its own (dropout masks, a user's random
@@ -448,7 +471,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
                  f"{_micro_steps(cfg.micro_batches(denv.world_size))} per rank a step, "
                  f"run dir {cfg.run_dir}")
         whole, here = wrapping.parameter_counts(state.model)
-        log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy})")
+        log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy}"
+                 f"{_groups(cfg, state.model, denv.world_size)})")
         log.start_tracker(cfg, ckpt, resumed)
         meter = StepMeter.build(cfg, denv.rank, denv.world_size, device, t.task, state.model, t.evaluation.loader,
                                 log, state.step)

@@ -41,7 +41,7 @@ def rank_main(args: argparse.Namespace, overrides: list[str]) -> None:
 
     cfg = config.load(args.config, overrides)
     denv = distributed.detect()
-    config.validate(cfg, denv.world_size)
+    config.validate(cfg, denv.world_size, denv.local_world_size)
     device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
     if args.cpu_build:  # the model constructed whole on the CPU, as tasks did before the meta device
         from train.tasks.gpt import LanguageModel

@@ -1,6 +1,7 @@
 """Peak host memory (RSS) per rank over a whole FSDP run, phase by phase, against the model's size M.
 
     python -m bench.suite.fsdp_run_memory [--nproc 4] [--layers 20] [--embd 1024] [--optim sgd] [--json OUT]
+    python -m bench.suite.fsdp_run_memory --strategy hsdp --shard-size 2   # HSDP: groups of 2, a replica each
 
 A real run (python -m train.launch, dist.strategy=fsdp, gloo on CPU) of the built-in GPT with a few steps, a
 checkpoint save after each, an evaluation after the first and the final one, then the same run with the tiny
@@ -14,6 +15,8 @@ optimizer state) and one block's gathered parameters and its whole gradients: 2 
 as the floor. The goal is at most 0.6 M above tiny on 4 ranks for a model of 250M parameters or more (AdamW
 adds 2 M / world for its two states). Measured: 0.61 M at 20 blocks of width 1024 (252M, floor 0.60), 0.59 M
 at GPT-2 medium's 24 blocks (--layers 24: 302M, floor 0.58).
+Under HSDP (--strategy hsdp) a rank shards over its group of --shard-size ranks, not over the world: the floor is
+2 M / shard size + 2 blocks, FSDP's on that many ranks.
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={args.nproc}", "--",
            "--config", "configs/gpt.yaml", f"run.dir={run_dir}", "log.wandb.mode=disabled", "log.report=false",
            "task.model=tiny", *sizes, "task.seq_len=64", "task.train_tokens=20000",
-           f"task.eval_tokens={65 * 2 * args.nproc}", "dist.strategy=fsdp", f"optim.name={args.optim}",
+           f"task.eval_tokens={65 * 2 * args.nproc}", f"dist.strategy={args.strategy}",
+           *([f"dist.shard_size={args.shard_size}"] if args.strategy == "hsdp" else []), f"optim.name={args.optim}",
            *(["optim.momentum=0"] if args.optim == "sgd" else []), "data.num_workers=0",
            f"train.steps={steps}", f"train.global_batch_size={args.nproc}", "train.micro_batch_size=1",
            "train.log_every=1", f"train.eval_every={args.eval_every}", "checkpoint.every=1", "checkpoint.keep=2",
@@ -161,6 +165,8 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--optim", default="sgd", choices=("sgd", "adamw"), help="sgd: momentum 0, no optimizer state")
+    p.add_argument("--strategy", default="fsdp", choices=("fsdp", "hsdp"))
+    p.add_argument("--shard-size", type=int, default=2, help="hsdp: the ranks of a group (dist.shard_size)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=1, help="an evaluation after each such step (and at the end)")
     p.add_argument("--smoke", action="store_true", help="seconds: 2 ranks, a 4-layer model of 256 wide")
@@ -173,7 +179,10 @@ def main() -> None:
         tiny, _ = run(args, True, Path(d))
     labels = [x for x in ORDER if any(x in r for r in big)]
     m = model_mib
-    print(f"FSDP, {args.nproc} ranks, {args.optim}: model M = {m:.0f} MiB "
+    shards = args.shard_size if args.strategy == "hsdp" else args.nproc
+    layout = f"FSDP, {args.nproc} ranks" + (f" in groups of {shards}" if args.strategy == "hsdp" else "")
+    layout = layout.replace("FSDP", args.strategy.upper())
+    print(f"{layout}, {args.optim}: model M = {m:.0f} MiB "
           f"({m * 2**20 / 4 / 1e6:.0f}M parameters, fp32)")
     print(f"{'phase':8s} " + " ".join(f"{'rank ' + str(r):>17s}" for r in range(args.nproc))
           + "   (peak RSS MiB, above tiny's same phase in M)")
@@ -191,11 +200,12 @@ def main() -> None:
     # What no FSDP step can do without: its shard, its gradients' shard, and one block's gathered parameters and
     # whole gradients (a block of the GPT: 12 d^2 + 13 d parameters).
     d = args.embd
-    floor = 2 / args.nproc + 2 * (12 * d * d + 13 * d) * 4 / 2**20 / m
+    floor = 2 / shards + 2 * (12 * d * d + 13 * d) * 4 / 2**20 / m
     print("peak above the tiny run's, per rank: " + ", ".join(f"{x:.2f}" for x in peaks)
-          + f" M (worst {max(peaks):.2f} M, goal <= 0.6 M with sgd); the highest phase: {culprit}")
+          + f" M (worst {max(peaks):.2f} M{', goal <= 0.6 M with sgd' if args.strategy == 'fsdp' else ''}); "
+          f"the highest phase: {culprit}")
     if not args.smoke:  # (a model of 12 MiB is within the tiny run's own noise)
-        print(f"a step's floor: the shards of the parameters and gradients (2 M / {args.nproc}) and one block's "
+        print(f"a step's floor: the shards of the parameters and gradients (2 M / {shards}) and one block's "
               f"parameters and gradients: {floor:.2f} M")
     if args.json:
         Path(args.json).write_text(json.dumps({

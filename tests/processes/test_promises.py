@@ -167,9 +167,12 @@ def test_the_stop_budget_falls_back_to_torchruns_variables_with_stop_timeout_fir
     assert _stop_budget(STOP_TIMEOUT="40", PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "40"
 
 
-def test_ranks_in_sync_says_false_when_one_rank_holds_other_weights(tmp_path):
+@pytest.mark.parametrize("strategy", [["dist.strategy=ddp"], ["dist.strategy=hsdp", "dist.shard_size=1"]],
+                         ids=["ddp", "hsdp"])
+def test_ranks_in_sync_says_false_when_one_rank_holds_other_weights(tmp_path, strategy):
     """Rank 1 alone moves one element of one parameter by the smallest float step after the last optimizer
-    step (a sitecustomize in that process): summary.json says the ranks are not in sync."""
+    step (a sitecustomize in that process): summary.json says the ranks are not in sync. Under DDP, and under
+    HSDP in groups of one rank, where rank 1's shard is a replica of rank 0's."""
     env = after_import(tmp_path, "train.trainer", """
 import os
 import torch
@@ -179,13 +182,14 @@ if os.environ.get("RANK") == "1":
         loss = real(training, *args, **kwargs)
         if training.state.step == training.cfg.train.steps:
             with torch.no_grad():
-                w = next(training.state.model.parameters()).view(-1)
+                w = next(training.state.model.parameters())
+                w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)  # HSDP: this rank's shard
                 w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
         return loss
     module.train_step = train_step
 """)
     run = tmp_path / "run"
-    run_train(run, "train.steps=2", nproc=2, env=env)
+    run_train(run, "train.steps=2", *strategy, nproc=2, env=env)
     assert summary(run)["ranks_in_sync"] is False, summary(run)
 
 

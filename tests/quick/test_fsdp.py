@@ -45,3 +45,16 @@ def test_the_flop_count_of_a_sharded_model_is_the_whole_models(monkeypatch):
     state = torch.get_rng_state()
     assert train_metrics.flops_per_sample(task, model, batch) == whole > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_hsdp_replicas_are_compared_shard_by_shard():
+    """ranks_in_sync's verdict from each rank's (place in its shard group, parameters' digest, buffers' digest):
+    HSDP's 2 groups of 2 agree when each shard equals its copy in the other group, whatever the two shards of a
+    group hold; FSDP's ranks, each at a place of its own, compare no shards; buffers agree everywhere."""
+    from train.trainer import digests_agree
+
+    assert digests_agree([(0, "a", "b"), (1, "c", "b"), (0, "a", "b"), (1, "c", "b")])
+    assert not digests_agree([(0, "a", "b"), (1, "c", "b"), (0, "x", "b"), (1, "c", "b")])  # rank 2's shard
+    assert not digests_agree([(0, "a", "b"), (1, "c", "b"), (0, "a", "b"), (1, "c", "x")])  # rank 3's buffers
+    assert digests_agree([(0, "a", "b"), (1, "c", "b"), (2, "d", "b"), (3, "e", "b")])  # FSDP
+    assert not digests_agree([(0, "a", "b"), (0, "c", "b")])  # DDP: every rank at place 0

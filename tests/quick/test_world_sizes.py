@@ -45,6 +45,31 @@ def test_every_config_launches_at_every_world_size_that_divides_its_global_batch
                 assert f"run {below} " in line and f"train.global_batch_size={batch // world * world or world}" in line
 
 
+def test_hsdp_groups_launch_at_every_world_size_they_divide_and_are_refused_in_one_line_elsewhere():
+    """dist.strategy=hsdp at every world size, on one node or nodes of 8: the groups are a node's ranks by default
+    (every world splits into them), or dist.shard_size ranks, refused in one line before torchrun starts where
+    they do not divide the world (a global batch of 96 splits over every world size here)."""
+    batch = ["--config", "configs/gpt.yaml", "train.global_batch_size=96", "dist.strategy=hsdp"]
+    for world in WORLDS:
+        for nnodes, nproc in {(1, world), (max(1, world // 8), min(world, 8))}:
+            dry_run(nnodes, nproc, batch)  # groups of a node
+            for size in (2, 3, 8, 16):
+                if world % size == 0:
+                    dry_run(nnodes, nproc, [*batch, f"dist.shard_size={size}"])
+                    continue
+                with pytest.raises(ConfigError) as refused:
+                    dry_run(nnodes, nproc, [*batch, f"dist.shard_size={size}"])
+                line = str(refused.value)
+                assert "\n" not in line and line.startswith(f"dist.shard_size={size} does not divide the {world} ranks")
+                fits = ", ".join(str(n) for n in range(1, world + 1) if world % n == 0)
+                assert line.endswith(f"run a multiple of {size} ranks, or set dist.shard_size to one of {fits}"), line
+    with pytest.raises(ConfigError, match="^dist.shard_size is an HSDP option: it has no meaning with "
+                                          "dist.strategy=fsdp$"):
+        dry_run(1, 4, [*batch, "dist.strategy=fsdp", "dist.shard_size=2"])
+    with pytest.raises(ConfigError, match=r"^dist.shard_size must be >= 0 \(0: the ranks of a node\), got -1$"):
+        dry_run(1, 4, [*batch, "dist.shard_size=-1"])
+
+
 LAUNCHERS = ("train.launch", "torchrun", "sbatch", "train.submit", "make train-local")
 
 

@@ -58,10 +58,12 @@ RESUME_CASES = {
         "naming the config keys and tensors that differ",
         ["processes/test_resume.py::test_a_run_none_of_whose_checkpoints_loads_is_refused_in_one_line_and_they_stay",
          "processes/test_relaunch.py::test_a_relaunch_refused_by_the_trainer_writes_nothing"]),
-    "another world size or strategy (DDP, FSDP)": (
+    "another world size or strategy (DDP, FSDP, HSDP)": (
         "DCP reshards on load; the same samples seen, with a warning that it is no longer bitwise",
         ["processes/test_checkpoint_format.py::test_world_size_2_then_1_then_3_ends_with_the_samples_and_weights_of_an_"
-         "uninterrupted_run", "processes/test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back"]),
+         "uninterrupted_run", "processes/test_fsdp.py::test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back",
+         "processes/test_hsdp.py::test_a_stop_and_relaunch_under_hsdp_is_bitwise_and_checkpoints_cross_to_ddp_on_2_ranks"
+         "_and_back"]),
     "another seed": (
         "a relaunch of the run is refused (exit 2); a new run from resume=PATH takes its own, with a warning",
         ["processes/test_data.py::test_a_relaunch_with_another_seed_is_refused_and_changes_nothing",

@@ -146,12 +146,13 @@ def check_training_args(train_args: list[str], task: bool = True) -> config.Conf
 
 
 def check_world(cfg: config.Config, cmd: list[str]) -> None:
-    """The batch arithmetic of the world torchrun will start, when its size is fixed (--nnodes=N, or
-    MIN:MAX with MIN == MAX): a usage error found here, once, instead of by every worker."""
+    """The batch arithmetic (and HSDP's groups) of the world torchrun will start, when its size is fixed (--nnodes=N,
+    or MIN:MAX with MIN == MAX): a usage error found here, once, instead of by every worker."""
     flags = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
     bounds = flags["nnodes"].split(":")
     if bounds[0] == bounds[-1]:
-        config.validate(cfg, int(bounds[0]) * int(flags["nproc-per-node"]))
+        per_node = int(flags["nproc-per-node"])
+        config.validate(cfg, int(bounds[0]) * per_node, per_node)
 
 
 def requeue_exit_code(env: Mapping[str, str]) -> int:

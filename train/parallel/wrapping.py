@@ -12,7 +12,12 @@
   (train.precision) all-gathers and computes in that dtype and reduces gradients in fp32; the sharded parameters
   and the optimizer stay fp32. BatchNorm layers are units of their own that all-gather in fp32 (their statistics
   are fp32).
-- Activation checkpointing (train.activation_checkpointing, either strategy): each block keeps only its
+- HSDP (dist.strategy=hsdp): FSDP2 as above on a 2-D mesh, (replicas, dist.shard_size): each parameter is
+  sharded over the ranks of a group (by default a node's: its all-gathers and reduce-scatters stay on the node's
+  links) and each group holds a whole replica; after the reduce-scatter in its group, each shard of the gradients
+  is all-reduced with the same shard of the other groups. Everything else is FSDP's: the units, the precision,
+  the meta-device materialization, the CPU ranks' buffers.
+- Activation checkpointing (train.activation_checkpointing, any strategy): each block keeps only its
   input, and its forward is run again in the backward to get its activations.
 - A model built on the meta device (no memory) is given its memory here (materialize): under FSDP after
   sharding, so that a rank only ever holds its shards; under DDP before wrapping. Its values come from the
@@ -40,10 +45,10 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[p], enabled=p != "fp32")
 
 
-def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module:
+def wrap(cfg: Config, task, model: nn.Module, device: torch.device, shard_ranks: int = 0) -> nn.Module:
     """The model as it trains: DDP(model) (one process: `model` itself), or `model` itself, sharded in place by
-    fully_shard (FSDP2).
-    `model` stays what checkpoints hold and evaluation runs, under either strategy."""
+    fully_shard (FSDP2; HSDP: over groups of `shard_ranks`, config.shard_ranks).
+    `model` stays what checkpoints hold and evaluation runs, under any strategy."""
     blocks = list(task.blocks(model))
     if not all(isinstance(b, nn.Module) for b in blocks):
         raise ConfigError(f"task {cfg.task_name}: blocks() must return submodules of the model (nn.Module)")
@@ -62,6 +67,7 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
                    static_graph=d.static_graph, find_unused_parameters=d.find_unused_parameters)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = _hsdp_mesh(device, shard_ranks) if d.strategy == "hsdp" else None  # None: fully_shard's, every rank
     p = cfg.train.precision
     mp = MixedPrecisionPolicy(param_dtype=None if p == "fp32" else DTYPES[p], reduce_dtype=torch.float32)
     if p != "fp32":
@@ -70,15 +76,39 @@ def wrap(cfg: Config, task, model: nn.Module, device: torch.device) -> nn.Module
         # its own whose weights stay fp32 (its input stays in the low precision, as under DDP's autocast).
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
-            fully_shard(norm, reshard_after_forward=d.reshard_after_forward, mp_policy=fp32)
+            fully_shard(norm, mesh=mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=fp32)
     for block in blocks:  # without blocks: one unit, the whole model gathered at once (no memory saved)
         # The last block's backward comes right after its forward (only the head and loss between): freeing its
         # parameters would only gather them again at once (torchtitan's policy too).
-        fully_shard(block, reshard_after_forward=d.reshard_after_forward and block is not blocks[-1], mp_policy=mp)
-    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=d.reshard_after_forward and block is not blocks[-1],
+                    mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=d.reshard_after_forward, mp_policy=mp)
     if device.type == "cpu":
         _one_block_at_a_time(model)
     return model
+
+
+def _hsdp_mesh(device: torch.device, shard_ranks: int):
+    """HSDP's 2-D mesh: ranks r*shard_ranks .. (r+1)*shard_ranks-1 shard the model (a node's ranks, in torchrun's
+    and srun's numbering, when shard_ranks is the ranks of a node), and each of those groups is a replica."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    return init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(model: nn.Module) -> tuple[int, int]:
+    """(the ranks this rank's shards are spread over, its place among them): (1, 0) for a model that is not
+    sharded (DDP, one process), whose replicas hold the whole model; the ranks that share a place hold the
+    same shards (HSDP's replicas)."""
+    from torch.distributed.tensor import DTensor
+
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None:
+        return 1, 0
+    mesh = param.device_mesh
+    dim = mesh.mesh_dim_names.index("shard") if mesh.mesh_dim_names and "shard" in mesh.mesh_dim_names else 0
+    return mesh.size(dim), mesh.get_local_rank(dim)
 
 
 def _one_block_at_a_time(model: nn.Module) -> None:
@@ -201,7 +231,7 @@ def replicated(model: nn.Module) -> bool:
 
 
 def sharded(model: nn.Module) -> bool:
-    """Whether `model` was sharded by fully_shard (its parameters are DTensors)."""
+    """Whether `model` was sharded by fully_shard (its parameters are DTensors): FSDP or HSDP."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

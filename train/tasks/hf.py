@@ -7,8 +7,8 @@ from a local folder, fine-tuned on token shards.
       data: data/my-text     # shards of its tokenizer: python -m train.prepare TEXT DIR --tokenizer models/my-model
       seq_len: 512
 
-The model is built on the meta device from the folder's config.json (no memory). Under dist.strategy=fsdp its decoder
-layers (the classes transformers lists in the model's _no_split_modules) are the FSDP units and the blocks that
+The model is built on the meta device from the folder's config.json (no memory). Under dist.strategy=fsdp or hsdp its
+decoder layers (the classes transformers lists in the model's _no_split_modules) are the FSDP units and the blocks that
 train.activation_checkpointing recomputes. The trainer gives it its values tensor by tensor with transformers' own
 init (init_parameter: drawn from the trainer's generator, and the buffers that no file holds, such as the rotary
 embeddings' frequencies, computed), then the folder's weights (init_from: the path; a run's own checkpoints come first:
