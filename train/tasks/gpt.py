@@ -74,9 +74,8 @@ class LanguageModel(Task):
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
         init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
-        # masked shards: conversations packed into windows, each attending to itself alone (false: one a window);
-        # auto: packed, or as the run was where a relaunch finds it recorded otherwise
-        pack: Literal["auto", True, False] = "auto"
+        # Masked shards: conversations packed into windows, each attending to itself alone; false: one a window.
+        pack: Literal["auto", True, False] = "auto"  # auto: packed, or as the run was where a relaunch finds it
         doc_mask: bool = False  # other shards: attention within a document (split at eot_id), positions restarted
         eot_id: int = -1  # the token doc_mask splits at; -1: init_from's eos_token_id, else GPT-2's 50256
 

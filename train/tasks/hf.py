@@ -69,9 +69,8 @@ class CausalLM(Task):
         format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         seq_len: int = 1024  # tokens per window (at most the model's max_position_embeddings)
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
-        # masked shards: conversations packed into windows, each attending to itself alone (false: one a window);
-        # auto: packed, or as the run was where a relaunch finds it recorded otherwise
-        pack: Literal["auto", True, False] = "auto"
+        # Masked shards: conversations packed into windows, each attending to itself alone; false: one a window.
+        pack: Literal["auto", True, False] = "auto"  # auto: packed, or as the run was where a relaunch finds it
 
     unit = "tokens"
     relaunch = {"path": "refused", "data": "data", "eval_data": "applied", "format": "data", "seq_len": "data",
