@@ -8,7 +8,7 @@ and it runs under bf16 autocast as it is.
 Documents apart: forward(idx, doc) with each position's document id (packed conversations, or pretraining
 documents split at an end-of-text token) attends within a document only and restarts the positions at each one,
 so that a document's logits are those it has alone. The mask is FlexAttention's block mask under torch.compile
-(blocks no document reaches are skipped), else a boolean mask for SDPA (dense: the full window is computed).
+(blocks no document reaches are skipped), else an additive mask for SDPA (dense: the full window is computed).
 Without doc, forward computes what it always did (causal SDPA over the window).
 """
 
@@ -61,15 +61,15 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        """mask: None (causal over the window), a boolean (B, 1, T, T) mask for SDPA, or a FlexAttention BlockMask."""
+        """mask: None (causal over the window), an additive (B, 1, T, T) mask for SDPA, or a FlexAttention BlockMask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        elif torch.is_tensor(mask):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        elif torch.is_tensor(mask):  # additive, in the query's dtype (autocast's): SDPA's fused kernels take it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout)
         else:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -167,11 +167,13 @@ def restarted_positions(doc: torch.Tensor) -> torch.Tensor:
 
 
 def document_mask(doc: torch.Tensor) -> torch.Tensor:
-    """SDPA's boolean mask (B, 1, T, T): a query sees the keys of its document up to itself. Every row sees its
-    own key (padding is a document of its own): no row is all masked, no NaN."""
+    """SDPA's mask (B, 1, T, T), additive (0 or -inf: a boolean one sends SDPA to its unfused kernel on the CPU, 2x
+    slower): a query sees the keys of its document up to itself. Every row sees its own key (padding is a document
+    of its own): no row is all masked, no NaN."""
     T = doc.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    seen = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    return torch.zeros(seen.shape, device=doc.device).masked_fill_(~seen, float("-inf"))
 
 
 def block_mask(doc: torch.Tensor):
