@@ -83,7 +83,9 @@ TORCH_TESTS ?= tests/processes/test_torch_range.py::test_a_stop_slower_than_torc
 	tests/processes/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
 	"tests/processes/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
 	tests/processes/test_fsdp.py::test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does \
-	tests/processes/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers
+	tests/processes/test_pretrained.py::test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers \
+	tests/quick/test_pack.py::test_a_conversations_logits_in_a_packed_window_are_its_logits_alone_gpt \
+	tests/quick/test_pack.py::test_a_conversations_logits_in_a_packed_window_are_its_logits_alone_hf
 # venv-torch: that venv alone (.ci/run installs both while the whole suite runs)
 venv-torch test-torch:
 	@test -n "$(TORCH)" -a -n "$(TORCHVISION)" || { echo "error: name the torch (and, for one other than \

@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.common import PY, ROOT
 
 BENCHES = ["overhead", "lm_overhead", "throughput", "checkpoint", "recovery", "build_memory", "export_memory",
-           "fsdp_run_memory", "gpu"]
+           "fsdp_run_memory", "packing", "gpu"]
 # --smoke: throughput's ImageFolder run (2 gloo processes, python -m train, default workers) is overhead's.
 SHARED = {"overhead": ("--runs-dir", "overhead"), "throughput": ("--imagefolder-run", "overhead/ours0")}
 
@@ -80,6 +80,13 @@ ROWS = [
     ("  during the saves / M", "run_memory_save_over_m", "", None),
     ("  during the evaluations / M", "run_memory_eval_over_m", "", None),
     ("  at the end (ranks_in_sync, the summary) / M", "run_memory_end_over_m", "", None),
+    ("packed conversations / a conversation a window, counted tokens/s (the tiny GPT, windows of 2048, lengths "
+     "lognormal, median 300, 5% longer; 1 process, CPU)", "packing_ratio", ">= 3", lambda v: v >= 3),
+    ("  padding share, packed", "packed_padding_share", "<= 0.05", lambda v: v <= 0.05),
+    ("  padding share, a conversation a window", "unpacked_padding_share", "", None),
+    ("  counted tokens/s, packed", "packed_counted_tokens_per_s", "", None),
+    ("pretraining with task.doc_mask / without, tokens/s (the same tokens, SDPA's mask on the CPU)", "doc_mask_cost",
+     "", None),
     ("recovery after SIGKILL of a worker: total, s", "recovery_total_s", "", None),
     ("  detection, s", "recovery_detection_s", "", None),
     ("  restart (stop group + rendezvous), s", "recovery_restart_s", "", None),

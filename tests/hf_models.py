@@ -50,9 +50,14 @@ def tiny_llama(folder: Path, vocab: int = 128, positions: int = 64, tie: bool = 
 
 def tiny_other(folder: Path, model_type: str, vocab: int = 128, positions: int = 64, seed: int = 0) -> Path:
     """A model of 2 layers, width 32 of another architecture: gpt_neox (Pythia: transformers renames its embed_out
-    to lm_head as it loads it) or gpt_neo (no sdpa attention in transformers)."""
+    to lm_head as it loads it), gpt_neo (no sdpa attention in transformers) or opt (its mask builder is not handed
+    its position ids: packed conversations would see each other)."""
     torch.manual_seed(seed)
-    if model_type == "gpt_neox":
+    if model_type == "opt":
+        config = transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                                        vocab_size=vocab, max_position_embeddings=positions, word_embed_proj_dim=32)
+        model = transformers.OPTForCausalLM(config)
+    elif model_type == "gpt_neox":
         config = transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                             intermediate_size=64, vocab_size=vocab, max_position_embeddings=positions)
         model = transformers.GPTNeoXForCausalLM(config)

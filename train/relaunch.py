@@ -3,7 +3,8 @@
 A relaunch is a start in a run directory whose run has checkpoints to resume from. Its config is compared with
 the run's record: the run's config.yaml before anything is queued (`python -m train --check`, the launcher,
 `train.submit`: `check_record`), the resumed checkpoint's config once the trainer has read it. A key the record
-lacks (a run of an older release) compares as its default. The rules:
+lacks (a run of an older release) compares as its default, or as the task's `legacy` value where the task's key
+did otherwise before it existed (task.pack). The rules:
 - applied: takes effect at once and changes nothing already trained (logging, workers, checkpoints, sharding);
 - training: applied from the resumed step (the optimizer's settings, the schedule, precision); a finished run,
   with no step left to apply it to, is refused;
@@ -99,12 +100,13 @@ def _same(a, b) -> bool:
 
 def changes(record: dict, cfg: Config) -> list[Change]:
     """Every key whose value differs between the run's record (a config as to_dict writes it) and `cfg`, with its
-    rule. A key the record lacks compares as its default (this release's); one only the record has is gone and is
-    not compared."""
+    rule. A key the record lacks compares as its default (this release's), or as its task's `legacy` value; one only
+    the record has is gone and is not compared."""
     new = _flat(to_dict(cfg))
     defaults = _flat(to_dict(dataclasses.replace(Config(), task_name=cfg.task_name, task_class=cfg.task_class,
                                                   task=cfg.task_class.Config() if cfg.task_class else None)))
-    old = defaults | _flat(record)
+    legacy = {f"task.{k}": v for k, v in (getattr(cfg.task_class, "legacy", None) or {}).items()}
+    old = defaults | legacy | _flat(record)
     if (record.get("task") or {}).get("name", cfg.task_name) != cfg.task_name:  # another task: its keys are not ours
         old = {k: v for k, v in old.items() if not k.startswith("task.")} | {
             k: v for k, v in defaults.items() if k.startswith("task.")} | {"task.name": record["task"]["name"]}

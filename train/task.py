@@ -32,6 +32,8 @@ What the trainer asks of a task, and only that:
   training and evaluation alike: padding, packing, masks (items of different sizes: token sequences, audio,
   boxes). Default: torch's default_collate, which stacks them; items that differ in size are then one line
   naming where (a key, a tuple position). It runs in the loader workers: the task object is pickled to them.
+- optional `units(batch)`: how many `unit`s (tokens) a batch holds that are not padding: what throughput and MFU
+  count, the log showing the padding share.
 - optional `blocks(model)`: the model's repeated submodules, for FSDP and activation checkpointing.
 - optional `init_parameter(name, full, generator)`: a meta-built model's initial values, one tensor at a
   time, drawn from `generator` alone: the same seed gives the same weights whatever the strategy and the
@@ -70,6 +72,9 @@ class Task:
     # "applied" (nothing trained changes), "training" (from the resumed step), "data" (the new data from its
     # beginning) or "refused" (another model: a new run). A key not listed is refused.
     relaunch: dict[str, str] = {}
+    # What a run recorded before a key existed did, by key, where the key's default does otherwise: a relaunch
+    # compares a record without the key with this value, not with the default (train/relaunch.py).
+    legacy: dict[str, Any] = {}
 
     def __init__(self, cfg: Any, seed: int):
         self.cfg, self.seed = cfg, seed  # cfg: an instance of this class's Config, filled from task.*
@@ -118,6 +123,12 @@ class Task:
     def units_per_sample(self) -> int:
         """How many `unit`s one sample holds (a window of 1024 tokens: 1024)."""
         return 1
+
+    def units(self, batch: Any) -> int | torch.Tensor | None:
+        """How many `unit`s a training batch holds that are not padding (packed windows' tail), from the batch as the
+        loader yields it (on the host); None (the default): units_per_sample() a sample. Throughput and MFU count
+        these, and the log shows the padding share."""
+        return None
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The model's repeated parts (a transformer's blocks, a ResNet's stages): each is an FSDP unit

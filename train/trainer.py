@@ -89,6 +89,7 @@ def train_step(t: Training, batches, sizes: list[int], meter: StepMeter) -> torc
     for micro, size in enumerate(sizes):
         with meter.waiting_for_data():
             batch = next(batches)
+        meter.units(t.task.units(batch), size)  # on the host, as count()
         if (counted := t.task.count(batch)) is not None:  # on the batch as the loader made it: on the host
             local = counted if local is None else local + counted
         if micro == accum - 1 and local is not None:

@@ -139,6 +139,7 @@ HOW: dict[str, str] = {
     ".venv/bin/python -m bench.suite.throughput": BENCH,
     ".venv/bin/python -m bench.suite.checkpoint": BENCH,
     ".venv/bin/python -m bench.suite.recovery": BENCH,
+    ".venv/bin/python -m bench.suite.packing": BENCH,
     ".venv/bin/python -m bench.suite.gpu": GPU,
     "torchrun --nproc-per-node 8 -m bench.suite.gpu --lm": GPU,
     ".venv/bin/python -m bench.studies.image_loader": BENCH,

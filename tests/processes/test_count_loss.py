@@ -1,6 +1,8 @@
 """A step's loss on masked shards is the sum over its counted targets divided by their count over the whole step
 (task.count(): all micro-batches, all ranks): 1, 2 and 4 gloo ranks and any micro-batch split train alike, to
-float rounding (project issue 69). A step with no counted target on any rank moves no weight, said once."""
+float rounding (project issue 69). A step with no counted target on any rank moves no weight, said once. The
+conversations are packed (task.pack): a resume at the same world size is bitwise, at another the same windows in the
+same order (the losses to float rounding); the log shows the padding share."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import latest_state, metrics, summary, train_losses
+from tests.conftest import assert_same_state, latest_state, metrics, summary, train_losses
 from tests.processes.test_lm_train import run_lm
 from train.checkpoint.dcp_io import read_state
 from train.tasks import shards
@@ -18,7 +20,7 @@ from train.tasks import shards
 SEQ = 16  # tokens a window: a conversation of L tokens has ceil((L - 1) / 16) windows, the last padded
 # fp32, the nano GPT, a global batch of 4 windows, 4 steps; a loss logged each step
 COUNTED = [f"task.seq_len={SEQ}", "task.model=nano", "train.global_batch_size=4", "train.precision=fp32",
-           "train.steps=4", "train.log_every=1", "optim.warmup_steps=1"]
+           "train.steps=4", "train.log_every=1", "optim.warmup_steps=1", "checkpoint.every=2", "checkpoint.keep=2"]
 # (ranks, micro-batch size, dist.strategy): 1 to 4 passes a rank; FSDP's reduce-scatter averages as DDP does
 SPLITS = [(1, 4, "ddp"), (1, 2, "ddp"), (1, 1, "ddp"), (2, 1, "ddp"), (4, 1, "ddp"), (2, 1, "fsdp")]
 RTOL = 1e-5  # fp32 rounding: the sums run in another order
@@ -76,6 +78,36 @@ def test_ranks_and_micro_batch_splits_give_the_same_losses_and_weights(split_run
     for split, run in split_runs.items():
         for name, w in latest_state(run)["model"].items():
             torch.testing.assert_close(w, weights[name], rtol=RTOL, atol=ATOL, msg=f"{split}: {name}")
+
+
+def test_packed_windows_resume_bitwise_at_the_same_world_size_and_alike_at_another(split_runs, tmp_path):
+    """From the 2-rank run's step-2 checkpoint: on 2 ranks, the steps after it bitwise as the run's own; on 1 rank
+    (micro-batches of 2), the same packed windows in the same order: the losses to float rounding."""
+    source = split_runs[2, 1, "ddp"]
+    data = next(a for a in summary_args(source) if a.startswith("task.data="))
+    reference = train_losses(source)
+    for nproc, micro in ((2, 1), (1, 2)):
+        run = tmp_path / f"resumed{nproc}"
+        run_lm(run, *COUNTED, data, f"train.micro_batch_size={micro}",
+               f"resume={source / 'checkpoints' / 'step_00000002'}", nproc=nproc)
+        got = train_losses(run)
+        assert sorted(got) == [3, 4], got
+        if nproc == 2:
+            assert got == {k: reference[k] for k in (3, 4)}
+            assert_same_state(latest_state(source), latest_state(run), "resumed on 2 ranks: ")
+        else:
+            assert got == pytest.approx({k: reference[k] for k in (3, 4)}, rel=RTOL), (nproc, got, reference)
+    lines = [m for m in metrics(source) if "loss" in m]
+    shares = [m["padding_share"] for m in lines]
+    assert all(0 <= v < 0.3 for v in shares) and any(shares), shares  # packed: little padding, some
+    assert all(m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * SEQ * (1 - m["padding_share"])) for m in lines)
+
+
+def summary_args(run: Path) -> list[str]:
+    """The task.data override a run of split_runs was launched with, from its config.yaml."""
+    import yaml
+
+    return [f"task.data={yaml.safe_load((run / 'config.yaml').read_text())['task']['data']}"]
 
 
 def test_a_step_with_no_counted_target_moves_no_weight_and_says_so_once(tmp_path):

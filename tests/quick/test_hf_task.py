@@ -154,12 +154,13 @@ def test_chat_prepare_masks_the_assistant_turns_through_the_tokenizers_own_templ
         expected += [(b, min(b + seq_len + 1, hi)) for b in range(lo, hi - 1, seq_len)]
     assert len(train) == len(expected) > 7
     for i, (b, e) in enumerate(expected):
-        x, y = train[i]
+        x, y, doc = train[i]  # unpacked (task.pack=false): a piece a window, its padding a document of its own
         n = e - b - 1
         assert x[:n].tolist() == tokens[b:e - 1].tolist() and not x[n:].any()
+        assert doc.tolist() == [0] * n + [shards.PAD_DOC] * (seq_len - n)
         want = [t if m & 1 else shards.IGNORE for t, m in zip(tokens[b + 1:e], mask[b + 1:e], strict=True)]
         assert y.tolist() == want + [shards.IGNORE] * (seq_len - n)
-    assert any(y.ne(shards.IGNORE).sum() > 0 for x, y in (train[i] for i in range(len(train))))
+    assert any(y.ne(shards.IGNORE).sum() > 0 for x, y, _ in (train[i] for i in range(len(train))))
 
 
 def test_chat_errors_are_one_line(tmp_path, capsys):
@@ -209,18 +210,19 @@ def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_on
     conv = [("user", "w3 w4 w5"), ("assistant", "w6 w7"), ("user", "w8"), ("assistant", "w9 w10 w11")]
     assert prepare_cmd.main([str(chats(tmp_path / "chats.jsonl", [conv] * 20)), str(tmp_path / "out"),
                              "--tokenizer", str(folder), "--chat"]) == 0
-    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", f"task.data={tmp_path / 'out'}", "task.seq_len=32"])
+    cfg = config.load("configs/hf.yaml", [f"task.path={folder}", f"task.data={tmp_path / 'out'}", "task.seq_len=32",
+                                          "task.pack=false"])  # packed: test_packed_conversations_...
     task = cfg.task_class(cfg.task, cfg.seed)
     train, val = task.datasets()
     assert isinstance(train, shards.MaskedWindows) and len(train) == 18 and len(val) == 2  # a conversation a window
-    x, y = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
+    x, y, doc = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
     counted = y != shards.IGNORE
     assert counted.sum() == 4 * 7  # w6 w7 <|im_end|> w9 w10 w11 <|im_end|>
     _, model = task_model(folder)
     with torch.no_grad():
         logits = hf_models.logits_of(folder, x)
         expect = F.cross_entropy(logits[counted], y[counted])
-        assert task.loss(model, (x, y)).item() == pytest.approx(28 * expect.item(), rel=1e-5)
-        assert task.count((x, y)) == 28
-        ev = task.eval_step(model, (x, y))
+        assert task.loss(model, (x, y, doc)).item() == pytest.approx(28 * expect.item(), rel=1e-5)
+        assert task.count((x, y, doc)) == 28
+        ev = task.eval_step(model, (x, y, doc))
     assert ev["count"] == 28 and ev["loss"].item() == pytest.approx(28 * expect.item(), rel=1e-5)

@@ -137,6 +137,8 @@ class RunLog:
         line = (f"step {r['step']}/{self.total_steps} epoch {r['epoch']} loss {r['loss']:.4f} lr {r['lr']:.4g} "
                 f"{speed}, {r['step_time_s']:.3f} s/step, "
                 f"data wait {r.get('data_wait_share', 0):.0%}")
+        if "padding_share" in r:
+            line += f", padding {r['padding_share']:.1%}"
         if len(r.get("samples_per_s_rank", ())) > 1:
             line += f", slowest rank {r['slowest_rank']} x{r['straggler_ratio']:.2f}"
         if "peak_mem_gib" in r:

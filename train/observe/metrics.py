@@ -13,6 +13,11 @@ time as the wall time minus that wait: the rate each rank could sustain alone, a
 against the fastest. This finds ranks held back by their data loading or their host; a GPU that is
 itself slower than its peers is not told apart from waiting. One all-gather of four numbers per log
 step, none in between.
+
+Throughput counts a task's units (tokens) that are not padding where the task says how many a batch holds
+(Task.units: packed windows' padding left out); the padding share is logged beside it. MFU counts the FLOPs of those
+units: the task's FLOPs a sample over its units a sample, times the real units (a language model: nanoGPT's count a
+token, attention as over a full causal window whether a document mask skips part of it or not).
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ class StepMeter:
 
     def _reset(self) -> None:
         self.steps, self.data_s, self.compute_s, self.paused_s = 0, 0.0, 0.0, 0.0
+        self.real_units, self.all_units, self.counted = 0, 0, False  # Task.units: units that are not padding
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.t0 = time.perf_counter()
 
@@ -168,6 +174,13 @@ class StepMeter:
         yield
         self.paused_s += time.perf_counter() - t
 
+    def units(self, real, samples: int) -> None:
+        """A micro-batch of `samples` holds `real` units that are not padding (Task.units; None: all of them)."""
+        whole = samples * self.units_per_sample
+        self.real_units += whole if real is None else int(real)
+        self.all_units += whole
+        self.counted = self.counted or real is not None
+
     def step_done(self) -> None:
         self.steps += 1
         if self.profiler is not None:
@@ -178,13 +191,14 @@ class StepMeter:
         wall = time.perf_counter() - self.t0 - self.paused_s
         compute = self.compute_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3  # all done by now
         mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
-        mine = torch.tensor([wall, self.data_s, compute, mem], dtype=torch.float64,
+        mine = torch.tensor([wall, self.data_s, compute, mem, self.real_units, self.all_units, self.counted],
+                            dtype=torch.float64,
                             device=self.device if self.world_size > 1 else "cpu")
         every = [mine]  # one process: its row stays on the host, with no trip to the GPU and back while it idles
         if self.world_size > 1:
             every = [torch.empty_like(mine) for _ in range(self.world_size)]
             dist.all_gather(every, mine)
-        wall, data, compute, mem = torch.stack(every).cpu().T  # one row per rank
+        wall, data, compute, mem, real, whole, counted = torch.stack(every).cpu().T  # one row per rank
         steps = max(self.steps, 1)
         # Each rank's own time: the job's wall time (rank 0's clock) minus its wait for slower ranks; at
         # least its data wait and the least compute of any rank.
@@ -201,10 +215,16 @@ class StepMeter:
             "slowest_rank": slowest,
             "slowest_data_wait_share": (data[slowest] / wall[slowest]).item(),
         }
+        if counted.any() and self.unit != "samples":  # the task said its padding: the real units count
+            out[f"{self.unit}_per_s"] = real.sum().item() / wall[0].item()
+            out["padding_share"] = 1 - real.sum().item() / max(whole.sum().item(), 1.0)
         if self.cuda:
             out["peak_mem_gib"] = mem.max().item()
             if self.flops_per_sample:
                 achieved = self.flops_per_sample * out["samples_per_s"] / self.world_size
+                if counted.any():  # the FLOPs of the units that are not padding
+                    achieved = self.flops_per_sample / self.units_per_sample * real.sum().item() / wall[0].item() \
+                        / self.world_size
                 out["tflops_per_gpu"] = achieved / 1e12
                 if self.peak_flops:
                     out["mfu"] = achieved / self.peak_flops

@@ -16,8 +16,10 @@ the init_from folder's tokenizer and generation_config.json, where the run start
 
 `python -m train.prepare` makes shards from text files (and conversations: a loss mask beside the shards, read as
 shards.MaskedWindows, makes a step's loss the sum over all its counted tokens over their number: count()).
-Throughput is counted in tokens, evaluation logs the loss per token and its perplexity, and MFU on GPUs uses
-nanoGPT's FLOP count (flops_per_sample).
+Conversations are packed into windows (task.pack), each attending to itself alone with its positions from 0; with
+task.doc_mask, pretraining documents are kept apart the same way, split at the end-of-text token (task.eot_id).
+Throughput is counted in tokens that are not padding, evaluation logs the loss per token and its perplexity, and MFU
+on GPUs uses nanoGPT's FLOP count (flops_per_sample).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
 # What GPT-2's config.json may set that changes what the model computes, with the built-in GPT's values
 COMPUTES = {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True}
+GPT2_EOT = 50256  # GPT-2's <|endoftext|>: llm.c's and nanoGPT's shards start each document with it
 HF_TASK = "train it with task.name=train.tasks.hf:CausalLM, which computes what transformers does"
 
 
@@ -71,12 +74,18 @@ class LanguageModel(Task):
         train_tokens: int = 2_000_000  # builtin data only
         eval_tokens: int = 65_536  # builtin data only
         init_from: str = ""  # the first step's weights: a local Hugging Face GPT-2 folder, or a run's checkpoint
+        # Masked shards: conversations packed into windows, each attending to itself alone; false: one a window.
+        pack: Literal["auto", True, False] = "auto"  # auto: packed, or as the run was where a relaunch finds it
+        doc_mask: bool = False  # other shards: attention within a document (split at eot_id), positions restarted
+        eot_id: int = -1  # the token doc_mask splits at; -1: init_from's eos_token_id, else GPT-2's 50256
 
     unit = "tokens"
     relaunch = {"data": "data", "eval_data": "applied", "format": "data", "model": "refused", "seq_len": "refused",
                 "n_layer": "refused", "n_head": "refused", "n_embd": "refused", "vocab_size": "refused",
                 "n_positions": "refused", "dropout": "training", "train_tokens": "data", "eval_tokens": "applied",
-                "init_from": "applied"}  # init_from: the first step's weights only (a relaunch resumes its own)
+                "init_from": "applied",  # init_from: the first step's weights only (a relaunch resumes its own)
+                "pack": "data", "doc_mask": "training", "eot_id": "training"}
+    legacy = {"pack": False}  # a run recorded before task.pack: its conversations were a window each
 
     def gpt_config(self) -> GPTConfig:
         """The model's GPTConfig: the preset with the overrides that are set; with init_from a Hugging Face folder,
@@ -110,6 +119,7 @@ class LanguageModel(Task):
             for key in SIZES:
                 if not getattr(cfg, key) and isinstance(run.get(key), int):
                     setattr(cfg, key, run[key])
+        shards.recorded_pack(cfg, run)  # a run started unpacked stays so
 
     def _hf_config(self) -> dict:
         """The init_from folder's config.json, checked to be a GPT-2 that computes what this GPT does (once)."""
@@ -165,6 +175,18 @@ class LanguageModel(Task):
                     raise ConfigError(f"task.{key} must be > seq_len ({self.seq_len()}), got {getattr(c, key)}")
         if c.eval_data and c.data == "builtin":
             raise ConfigError("task.eval_data is for shards; the builtin corpus has its own evaluation split")
+        if c.doc_mask and not 0 <= self.eot_id() < g.vocab_size:
+            raise ConfigError(f"task.eot_id: token {self.eot_id()} is not in the model's vocabulary of {g.vocab_size} "
+                              f"(task.doc_mask splits documents at it): set task.eot_id to the shards' end-of-text "
+                              f"token")
+
+    def eot_id(self) -> int:
+        """The end-of-text token task.doc_mask splits documents at: task.eot_id, else the init_from folder's
+        eos_token_id, else GPT-2's 50256."""
+        if self.cfg.eot_id >= 0:
+            return self.cfg.eot_id
+        eos = self._hf_config().get("eos_token_id") if self._hf_folder() else None
+        return eos if isinstance(eos, int) else GPT2_EOT
 
     def datasets(self) -> tuple[Dataset, Dataset]:
         c, g, T = self.cfg, self.gpt_config(), self.seq_len()
@@ -172,8 +194,9 @@ class LanguageModel(Task):
             train = shards.Shard.of_array(builtin_tokens(self.seed, c.train_tokens, "train"), "builtin:train")
             val = shards.Shard.of_array(builtin_tokens(self.seed, c.eval_tokens, "val"), "builtin:val")
             return shards.TokenWindows([train], T), shards.TokenWindows([val], T)
-        train, val = shards.windows(c.data, c.eval_data, c.format, T, g.vocab_size)
+        train, val = shards.windows(c.data, c.eval_data, c.format, T, g.vocab_size, pack=shards.packing(c.pack))
         self.masked = isinstance(train, shards.MaskedWindows)
+        self.packed = self.masked and shards.packing(c.pack)
         return train, val
 
     def model(self) -> nn.Module:
@@ -208,21 +231,34 @@ class LanguageModel(Task):
         return HFModel(config=config, tensors=tensors, base_prefix="transformer.", files=files)
 
     masked = False  # whether the shards have loss masks (datasets() says): then count() counts their targets
+    packed = False  # whether their conversations are packed (datasets() says): then the model gets their ids
+
+    def logits(self, model: nn.Module, batch) -> torch.Tensor:
+        """The model's logits of a batch: (x, y) of TokenWindows, (x, y, doc) of MaskedWindows. Documents apart in
+        attention: packed conversations (their ids), pretraining documents with task.doc_mask (split at eot_id)."""
+        x = batch[0]
+        if self.packed:
+            return model(x, batch[2])
+        if self.cfg.doc_mask and not self.masked:
+            return model(x, shards.doc_ids(x, self.eot_id()))
+        return model(x)  # computes what it always did
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        x, y = batch
         # Masked shards: the sum over the targets that count (count(): the trainer divides by the step's count).
         # Others: the mean over the window's targets, as ever. Autocast: in fp32.
-        return shards.lm_loss(model(x), y, summed=self.masked)
+        return shards.lm_loss(self.logits(model, batch), batch[1], summed=self.masked)
 
     def count(self, batch) -> torch.Tensor | None:
         """Masked shards: the targets that count (the assistant's); others: None, the per-window mean, as ever
         (every window counts all its seq_len targets: the same mean up to rounding, and the same bits as before)."""
         return shards.lm_count(batch[1]) if self.masked else None
 
+    def units(self, batch) -> int | None:
+        """Masked shards: the tokens that are not padding; others: None (no padding)."""
+        return shards.real_tokens(batch)
+
     def eval_step(self, model: nn.Module, batch) -> dict:
-        x, y = batch
-        return shards.lm_eval(model(x), y)  # averaged per counted token, not per window
+        return shards.lm_eval(self.logits(model, batch), batch[1])  # averaged per counted token, not per window
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:
@@ -238,7 +274,9 @@ class LanguageModel(Task):
     def flops_per_sample(self, model: nn.Module) -> float:
         """nanoGPT's estimate_mfu (the PaLM paper's appendix B count), per window of T tokens:
         T * (6N + 12 * n_layer * n_embd * T), N the parameters without the position embeddings (the tied
-        token embeddings count, as the output layer's matmul). Counted on `model`, whatever wraps it."""
+        token embeddings count, as the output layer's matmul). Counted on `model`, whatever wraps it. The meter
+        counts it a token that is not padding (units()); attention as over the full causal window, a document
+        mask or not (the FLOPs it skips count as done)."""
         g, T = self.gpt_config(), self.seq_len()
         n = sum(p.numel() for p in model.parameters()) - g.block_size * g.n_embd
         return float(T * (6 * n + 12 * g.n_layer * g.n_embd * T))

@@ -4,6 +4,12 @@ Pre-LayerNorm blocks, learned positions, GELU MLPs, attention through F.scaled_d
 or memory-efficient kernels where the device has them), token embeddings tied to the output layer, and
 GPT-2's initialisation. Nothing in forward() branches on data, so torch.compile traces it in one graph,
 and it runs under bf16 autocast as it is.
+
+Documents apart: forward(idx, doc) with each position's document id (packed conversations, or pretraining
+documents split at an end-of-text token) attends within a document only and restarts the positions at each one,
+so that a document's logits are those it has alone. The mask is FlexAttention's block mask under torch.compile
+(blocks no document reaches are skipped), else an additive mask for SDPA (dense: the full window is computed).
+Without doc, forward computes what it always did (causal SDPA over the window).
 """
 
 from __future__ import annotations
@@ -54,11 +60,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """mask: None (causal over the window), an additive (B, 1, T, T) mask for SDPA, or a FlexAttention BlockMask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        elif torch.is_tensor(mask):  # additive, in the query's dtype (autocast's): SDPA's fused kernels take it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout)
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -83,8 +98,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -125,14 +140,51 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """doc: (B, T) document ids (a document: consecutive positions of one id): attention within a document
+        only, positions restarting at each; None: causal over the whole window."""
         T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        mask = None
+        if doc is None:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        else:
+            pos = restarted_positions(doc)
+            flex = torch.compiler.is_compiling() and not (self.training and self.config.dropout)  # flex: no dropout
+            mask = block_mask(doc) if flex else document_mask(doc)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, mask)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+def restarted_positions(doc: torch.Tensor) -> torch.Tensor:
+    """Each position's index within its document (0 where a document starts): (B, T) from (B, T) document ids."""
+    index = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(1).values
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """SDPA's mask (B, 1, T, T), additive (0 or -inf: a boolean one sends SDPA to its unfused kernel on the CPU, 2x
+    slower): a query sees the keys of its document up to itself. Every row sees its own key (padding is a document
+    of its own): no row is all masked, no NaN."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    seen = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    return torch.zeros(seen.shape, device=doc.device).masked_fill_(~seen, float("-inf"))
+
+
+def block_mask(doc: torch.Tensor):
+    """FlexAttention's BlockMask of document_mask (under torch.compile: the blocks a query's document does not
+    reach are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    return create_block_mask(same_document, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
 
 
 def init_parameter(cfg: GPTConfig, name: str, full: torch.Tensor, generator: torch.Generator) -> None:

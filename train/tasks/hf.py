@@ -17,7 +17,8 @@ architecture: the path's config.json, the trained safetensors and the files the 
 
 The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer (uint32 for a
 vocabulary over 65536); every token id is checked against the model's vocabulary. Shards with a loss mask beside them
-(python -m train.prepare --chat) train on the assistant's tokens only, a conversation a window. transformers,
+(python -m train.prepare --chat) train on the assistant's tokens only, conversations packed into windows (task.pack),
+each attending to itself alone (position ids restarting at each: transformers' packed sequences). transformers,
 safetensors and tokenizers are an optional extra (pip install -r requirements-hf.txt), imported only when a run names
 this task.
 """
@@ -38,6 +39,7 @@ from train.config import ConfigError
 from train.hf_format import HFModel, HFTensor, beside_weights, hf_config
 from train.task import Task
 from train.tasks import shards
+from train.tasks.gpt_model import restarted_positions
 
 KEY = "task.path"
 
@@ -67,10 +69,18 @@ class CausalLM(Task):
         format: Literal["auto", "llmc", "nanogpt"] = "auto"  # auto: llm.c's magic (uint16/32), else bare uint16
         seq_len: int = 1024  # tokens per window (at most the model's max_position_embeddings)
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
+        # Masked shards: conversations packed into windows, each attending to itself alone; false: one a window.
+        pack: Literal["auto", True, False] = "auto"  # auto: packed, or as the run was where a relaunch finds it
 
     unit = "tokens"
     relaunch = {"path": "refused", "data": "data", "eval_data": "applied", "format": "data", "seq_len": "data",
-                "attention": "applied"}
+                "attention": "applied", "pack": "data"}
+    legacy = {"pack": False}  # a run recorded before task.pack: its conversations were a window each
+
+    @classmethod
+    def recorded(cls, cfg, run: dict) -> None:
+        """A relaunch keeps the run's packing (task.pack=auto): a run started unpacked stays so."""
+        shards.recorded_pack(cfg, run)
 
     def __init__(self, cfg, seed: int):
         super().__init__(cfg, seed)
@@ -148,9 +158,40 @@ class CausalLM(Task):
         train, val = shards.windows(c.data, c.eval_data, c.format, c.seq_len, self.vocab_size(),
                                     vocab=f"the vocab_size of {c.path}/config.json,",
                                     hint=f"tokenized for another model? make the shards with this one's tokenizer "
-                                         f"(python -m train.prepare TEXT DIR --tokenizer {c.path})")
+                                         f"(python -m train.prepare TEXT DIR --tokenizer {c.path})",
+                                    pack=shards.packing(c.pack))
         self.masked = isinstance(train, shards.MaskedWindows)
+        self.packed = self.masked and shards.packing(c.pack)
+        if self.packed:
+            self.check_packing()
         return train, val
+
+    def check_packing(self) -> None:
+        """Packed conversations reach the model as position ids that restart at each one (transformers' packed
+        sequences: its mask builder finds them and keeps each to itself). A model whose forward does not hand its
+        position ids to that mask builder would let them see each other: refused. Checked by running the meta
+        model's forward once (no memory, milliseconds), watching for the call."""
+        from transformers import masking_utils
+
+        found = masking_utils.find_packed_sequence_indices
+        seen = []
+
+        def watch(position_ids):
+            seen.append(True)
+            return (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+        masking_utils.find_packed_sequence_indices = watch
+        try:
+            x = torch.zeros(1, 4, dtype=torch.long, device="meta")
+            self.skeleton()(input_ids=x, position_ids=x, use_cache=False)
+            why = "" if seen else "its forward does not hand its position ids to transformers' mask"
+        except Exception as e:
+            why = f"its forward on the meta device failed ({_one_line(e)})"
+        finally:
+            masking_utils.find_packed_sequence_indices = found
+        if why:
+            raise ConfigError(f"task.pack: the {self.hf_config().model_type} model of {self.cfg.path} cannot keep "
+                              f"packed conversations apart ({why}): set task.pack=false (a conversation a window)")
 
     def model(self) -> nn.Module:
         config, t = self.hf_config(), _transformers()
@@ -232,24 +273,35 @@ class CausalLM(Task):
         return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files,
                        missing=_renamed_on_load(self.skeleton()))
 
-    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=x).logits
+    def logits(self, model: nn.Module, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' logits of x; with doc (packed conversations' ids) each conversation's alone: the position
+        ids restart at each, and transformers' mask keeps each to itself (check_packing)."""
+        if doc is None:
+            return model(input_ids=x).logits
+        return model(input_ids=x, position_ids=restarted_positions(doc)).logits
 
     masked = False  # whether the shards have loss masks (datasets() says): then count() counts their targets
 
+    packed = False  # whether their conversations are packed (datasets() says): then the model gets their positions
+
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        x, y = batch  # y is x shifted by one already: no labels for the model (it would shift them again)
+        # y (batch[1]) is x shifted by one already: no labels for the model (it would shift them again).
         # Masked shards: the sum over the targets that count (count(): the trainer divides by the step's count);
         # others: the mean over the window's targets. Autocast: in fp32.
-        return shards.lm_loss(self.logits(model, x), y, summed=self.masked)
+        return shards.lm_loss(self.logits(model, batch[0], batch[2] if self.packed else None), batch[1],
+                              summed=self.masked)
 
     def count(self, batch) -> torch.Tensor | None:
         """Masked shards: the targets that count (the assistant's); others: None, the per-window mean."""
         return shards.lm_count(batch[1]) if self.masked else None
 
+    def units(self, batch) -> int | None:
+        """Masked shards: the tokens that are not padding; others: None (no padding)."""
+        return shards.real_tokens(batch)
+
     def eval_step(self, model: nn.Module, batch) -> dict:
-        x, y = batch
-        return shards.lm_eval(self.logits(model, x), y)  # averaged per counted token, not per window
+        # averaged per counted token, not per window
+        return shards.lm_eval(self.logits(model, batch[0], batch[2] if self.packed else None), batch[1])
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:

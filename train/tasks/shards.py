@@ -8,7 +8,8 @@
 
 A shard may have a loss mask beside it (python -m train.prepare --chat): NAME.mask for NAME.bin, one byte a
 token: bit 0 set where the token counts in the loss as a target (the assistant's), bit 1 where a conversation
-starts. Masked shards are read as MaskedWindows: each conversation in windows of its own.
+starts. Masked shards are read as MaskedWindows: conversations packed into windows (task.pack), each attending to
+itself alone, or each conversation in windows of its own.
 
 Shards are memory-mapped, never read whole: a TokenWindows holds only paths and lengths (it pickles in
 microseconds to every loader worker) and each process opens its memory maps on first access. A malformed
@@ -289,10 +290,12 @@ def masked(split: list[Shard], key: str) -> bool:
 
 
 def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: int, vocab: str = VOCAB_KEY,
-            hint: str = VOCAB_HINT) -> tuple[TokenWindows | MaskedWindows, TokenWindows | MaskedWindows]:
+            hint: str = VOCAB_HINT, pack: bool = False
+            ) -> tuple[TokenWindows | MaskedWindows, TokenWindows | MaskedWindows]:
     """The training and evaluation windows of a language model's shards: the *train* and *val* files of `data`
     (task.data), or those of `data` and `eval_data` (task.eval_data); every token id checked < vocab_size
-    (check_vocab); ConfigError where a split has no shard or no whole window."""
+    (check_vocab); ConfigError where a split has no shard or no whole window. `pack`: masked shards' conversations
+    packed (MaskedWindows)."""
     files = find_shards(data)
     if eval_data:
         named = [f for f in files if split_of(f) == "train"]
@@ -306,7 +309,7 @@ def windows(data: str, eval_data: str, fmt: Format, seq_len: int, vocab_size: in
     chat = masked(opened[0] + opened[1], "task.eval_data" if eval_data else "task.data")
     out = []
     for (key, paths), split in zip(splits, opened, strict=True):
-        ds = MaskedWindows(split, seq_len) if chat else TokenWindows(split, seq_len)
+        ds = MaskedWindows(split, seq_len, pack) if chat else TokenWindows(split, seq_len)
         if len(ds) == 0:
             raise ConfigError(f"{key}: no window of seq_len + 1 = {seq_len + 1} tokens fits in any "
                               f"shard of {', '.join(paths)}; lower task.seq_len")
@@ -348,31 +351,80 @@ class TokenWindows(Dataset):
 IGNORE = -100  # a target that counts in no loss (cross_entropy's ignore_index): the user's turns, padding
 
 
-class MaskedWindows(Dataset):
-    """Windows over masked shards (python -m train.prepare --chat): each conversation on its own, in windows of
-    seq_len + 1 tokens from its first (every seq_len tokens: a longer one is split at window boundaries), the last
-    padded; item i is (x, y) as TokenWindows' with y = IGNORE where the target does not count (its mask's bit 0 is
-    clear, or padding). No window holds two conversations: none is in another's context or loss.
-    Holds two int64 a window (where it starts and where its conversation ends), found from the masks once."""
+BLOCK = 16384  # pieces packed together (best fit decreasing within each block of a shard's pieces, in order)
+PAD_DOC = -1  # the document id of a window's padding: a segment of its own (it attends to itself, never NaN)
 
-    def __init__(self, shards: list[Shard], seq_len: int):
-        self.shards, self.seq_len = shards, seq_len
-        begins, ends, counts = [], [], []
+
+def best_fit(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of at most `capacity` for items of `sizes` (each 1..capacity): best fit decreasing, the largest item
+    first into the bin it fills most, else a new bin. Deterministic: a stable sort, and among bins with the same
+    room the one filled last. O(n log capacity): the bins by room, the rooms there are in a sorted list."""
+    order = np.argsort(-sizes, kind="stable").tolist()
+    bins: list[list[int]] = []
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # the open bins with that much room left
+    rooms: list[int] = []  # the rooms of the open bins, sorted, each once
+    values = sizes.tolist()
+    for i in order:
+        size = values[i]
+        j = bisect.bisect_left(rooms, size)
+        if j == len(rooms):
+            b, room = len(bins), capacity
+            bins.append([i])
+        else:
+            room = rooms[j]
+            b = by_room[room].pop()
+            if not by_room[room]:
+                del rooms[j]
+            bins[b].append(i)
+        room -= size
+        if room:
+            if not by_room[room]:
+                bisect.insort(rooms, room)
+            by_room[room].append(b)
+    return [sorted(b) for b in bins]
+
+
+class MaskedWindows(Dataset):
+    """Windows over masked shards (python -m train.prepare --chat): each conversation from its first token, in
+    pieces of at most seq_len + 1 tokens (every seq_len tokens: a longer one is split at window boundaries).
+    `pack` (task.pack): a window holds as many pieces as fit (best fit decreasing within blocks of BLOCK pieces of
+    a shard, in the shard's order: found once from the masks, the same at any world size); else a piece a window.
+    Item i is (x, y, doc): x the pieces' inputs end to end, y their targets (IGNORE where the target does not count:
+    its mask's bit 0 is clear, or padding), doc each position's piece in the window (0, 1, ...; PAD_DOC for the
+    padding at the end). A model given doc attends within a piece only, its positions restarting at each: no
+    conversation is in another's context or loss. Holds two int64 a piece and one a window."""
+
+    def __init__(self, shards: list[Shard], seq_len: int, pack: bool = False):
+        self.shards, self.seq_len, self.pack = shards, seq_len, pack
+        begins, ends, ptrs, counts = [], [], [], []
         for s in shards:
             mask = np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
             starts = [np.zeros(1, np.int64)] + [
                 lo + np.flatnonzero(mask[lo:lo + (1 << 24)] & STARTS) for lo in range(0, s.count, 1 << 24)]
             bounds = np.unique(np.concatenate(starts + [np.array([s.count])]))  # a shard's start begins one too
             lo, hi = bounds[:-1], bounds[1:]
-            n = np.maximum(0, -(-(hi - lo - 1) // seq_len))  # windows a conversation: ceil((length - 1) / seq_len)
+            n = np.maximum(0, -(-(hi - lo - 1) // seq_len))  # pieces a conversation: ceil((length - 1) / seq_len)
             first = np.repeat(lo, n)
             offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-            begins.append(first + offset * seq_len)
-            ends.append(np.repeat(hi, n))
-            counts.append(int(n.sum()))
+            begin = first + offset * seq_len
+            end = np.minimum(begin + seq_len + 1, np.repeat(hi, n))
             del mask
+            if pack and len(begin):
+                order, sizes = [], []
+                for lo in range(0, len(begin), BLOCK):
+                    for w in best_fit(end[lo:lo + BLOCK] - begin[lo:lo + BLOCK] - 1, seq_len):
+                        order.extend(lo + i for i in w)
+                        sizes.append(len(w))
+                begin, end, sizes = begin[order], end[order], np.array(sizes, np.int64)
+            else:
+                sizes = np.ones(len(begin), np.int64)
+            begins.append(begin)
+            ends.append(end)
+            ptrs.append(sizes)
+            counts.append(len(sizes))
         self.begin = np.concatenate(begins) if begins else np.zeros(0, np.int64)
         self.end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self.ptr = np.concatenate([np.zeros(1, np.int64)] + ptrs).cumsum()  # window i: pieces ptr[i]:ptr[i + 1]
         self.starts = np.cumsum([0] + counts).tolist()
         self._maps: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(shards)
 
@@ -382,7 +434,11 @@ class MaskedWindows(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": [None] * len(self.shards)}
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def padding_share(self) -> float:
+        """The share of the windows' positions that are padding."""
+        return 1 - float((self.end - self.begin - 1).sum()) / max(1, len(self) * self.seq_len)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
         k = bisect.bisect_right(self.starts, index) - 1
@@ -390,13 +446,43 @@ class MaskedWindows(Dataset):
             s = self.shards[k]
             self._maps[k] = s.tokens(), np.memmap(s.mask_path(), dtype=np.uint8, mode="r", shape=(s.count,))
         tokens, mask = self._maps[k]
-        b, e = int(self.begin[index]), int(self.end[index])
-        w = tokens[b:min(b + self.seq_len + 1, e)].astype(np.int64)
         x = np.zeros(self.seq_len, dtype=np.int64)
         y = np.full(self.seq_len, IGNORE, dtype=np.int64)
-        x[:len(w) - 1] = w[:-1]
-        y[:len(w) - 1] = np.where(mask[b + 1:b + len(w)] & COUNTS, w[1:], IGNORE)
-        return torch.from_numpy(x), torch.from_numpy(y)
+        doc = np.full(self.seq_len, PAD_DOC, dtype=np.int64)
+        at = 0
+        for j, piece in enumerate(range(int(self.ptr[index]), int(self.ptr[index + 1]))):
+            b, e = int(self.begin[piece]), int(self.end[piece])
+            w = tokens[b:e].astype(np.int64)
+            n = e - b - 1
+            x[at:at + n] = w[:-1]
+            y[at:at + n] = np.where(mask[b + 1:e] & COUNTS, w[1:], IGNORE)
+            doc[at:at + n] = j
+            at += n
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(doc)
+
+
+def packing(pack) -> bool:
+    """Whether task.pack packs masked shards' conversations: auto (the default) and true do."""
+    return pack is not False
+
+
+def recorded_pack(cfg, run: dict) -> None:
+    """A relaunch keeps the run's packing: task.pack=auto, or a value that packs as the run's record does, takes the
+    record's value; a run recorded before the key existed was unpacked (the tasks' `legacy`)."""
+    was = run.get("pack", False)
+    if was in ("auto", True, False) and (cfg.pack == "auto" or packing(cfg.pack) == packing(was)):
+        cfg.pack = was
+
+
+def real_tokens(batch) -> int | None:
+    """The positions of a batch of MaskedWindows' items that are not padding; None for TokenWindows' (no padding)."""
+    return int((batch[2] != PAD_DOC).sum()) if len(batch) > 2 else None
+
+
+def doc_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """Documents of a window of pretraining tokens: a new one at each end-of-text token (llm.c's and nanoGPT's
+    shards put it before each document), the token itself its first."""
+    return (x == eot_id).cumsum(1)
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor, summed: bool = False) -> torch.Tensor:
