@@ -11,8 +11,8 @@ the counted targets a window of the data set (all its windows, which an epoch re
 the data set's (and the log's, over the steps run).
 
 The document mask (task.doc_mask, the built-in GPT's pretraining option): the same tokens as a pretraining shard, an
-end-of-text token (255) before each conversation; tokens a second with the mask against without (SDPA's boolean
-mask on the CPU: the whole window is computed; FlexAttention under train.compile skips the blocks it masks).
+end-of-text token (255) before each conversation; tokens a second with the mask against without (without compile:
+causal SDPA on each document alone; under train.compile, FlexAttention skips the blocks it masks).
 """
 
 from __future__ import annotations

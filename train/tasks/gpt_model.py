@@ -8,8 +8,8 @@ and it runs under bf16 autocast as it is.
 Documents apart: forward(idx, doc) with each position's document id (packed conversations, or pretraining
 documents split at an end-of-text token) attends within a document only and restarts the positions at each one,
 so that a document's logits are those it has alone. The mask is FlexAttention's block mask under torch.compile
-(blocks no document reaches are skipped), else an additive mask for SDPA (dense: the full window is computed).
-Without doc, forward computes what it always did (causal SDPA over the window).
+(blocks no document reaches are skipped), else causal SDPA on each document alone (its own length's work, not the
+window's; the spans are read on the host). Without doc, forward computes what it always did (causal SDPA over the window).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,15 +62,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        """mask: None (causal over the window), an additive (B, 1, T, T) mask for SDPA, or a FlexAttention BlockMask."""
+        """mask: None (causal over the window), each window's document spans (document_spans), or a FlexAttention
+        BlockMask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        elif torch.is_tensor(mask):  # additive, in the query's dtype (autocast's): SDPA's fused kernels take it
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout)
+        elif isinstance(mask, list):  # each document alone, causal: the work of its own length, not the window's
+            y = torch.cat([torch.cat([F.scaled_dot_product_attention(
+                q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], dropout_p=dropout, is_causal=True)
+                for s, e in spans], dim=2) for b, spans in enumerate(mask)])
         else:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -151,7 +155,7 @@ class GPT(nn.Module):
         else:
             pos = restarted_positions(doc)
             flex = torch.compiler.is_compiling() and not (self.training and self.config.dropout)  # flex: no dropout
-            mask = block_mask(doc) if flex else document_mask(doc)
+            mask = block_mask(doc) if flex else document_spans(doc)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x, mask)
@@ -166,19 +170,18 @@ def restarted_positions(doc: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(1).values
 
 
-def document_mask(doc: torch.Tensor) -> torch.Tensor:
-    """SDPA's mask (B, 1, T, T), additive (0 or -inf: a boolean one sends SDPA to its unfused kernel on the CPU, 2x
-    slower): a query sees the keys of its document up to itself. Every row sees its own key (padding is a document
-    of its own): no row is all masked, no NaN."""
-    T = doc.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    seen = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
-    return torch.zeros(seen.shape, device=doc.device).masked_fill_(~seen, float("-inf"))
+def document_spans(doc: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each window's documents as (start, end) spans of positions, read from the ids on the host (on a GPU, a wait
+    for them: a compiled model takes FlexAttention's path, which needs none). Padding is a document of its own."""
+    d = doc.cpu().numpy()
+    T = d.shape[1]
+    return [list(zip(c[:-1], c[1:])) for c in
+            ([0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), T] for row in d)]
 
 
 def block_mask(doc: torch.Tensor):
-    """FlexAttention's BlockMask of document_mask (under torch.compile: the blocks a query's document does not
-    reach are skipped)."""
+    """FlexAttention's BlockMask: a query sees the keys of its document up to itself (under torch.compile: the blocks
+    a query's document does not reach are skipped)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document(b, h, q, kv):
