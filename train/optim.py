@@ -57,13 +57,14 @@ def param_groups(model: nn.Module, groups: object, weight_decay: float, task: st
     here: a mistake in it is a ConfigError that names the group and the fix."""
     where = f"task {task}: param_groups()" if task else "param_groups()"
     named = list(model.named_parameters())  # a tied parameter once, by its first name
+    aliases = list(model.named_parameters(remove_duplicate=False))  # and by each of its names
     if not isinstance(groups, (list, tuple)):
         raise ConfigError(f"{where} must return a list of dicts (name, params, lr_scale, weight_decay), got "
                           f"{type(groups).__name__} (docs/tasks.md)")
     owner: dict[str, str] = {}
     specs = [(DEFAULT, 1.0, weight_decay)]
     for i, group in enumerate(groups):
-        name, scale, decay, members = _checked(group, i, named, weight_decay, where, {s[0] for s in specs})
+        name, scale, decay, members = _checked(group, i, named, aliases, weight_decay, where, {s[0] for s in specs})
         for n in members:
             if n in owner:
                 raise ConfigError(f"{where}: parameter {n} is in two groups, {owner[n]!r} and {name!r}: name it in "
@@ -84,8 +85,8 @@ def param_groups(model: nn.Module, groups: object, weight_decay: float, task: st
     return out
 
 
-def _checked(group: object, i: int, named: list[tuple[str, nn.Parameter]], weight_decay: float, where: str,
-             taken: set[str]) -> tuple[str, float, float, list[str]]:
+def _checked(group: object, i: int, named: list[tuple[str, nn.Parameter]], aliases: list[tuple[str, nn.Parameter]],
+             weight_decay: float, where: str, taken: set[str]) -> tuple[str, float, float, list[str]]:
     """(name, lr_scale, weight_decay, the names of its parameters) of the task's group `i`, or a ConfigError."""
     if not isinstance(group, Mapping):
         raise ConfigError(f"{where}[{i}] is a {type(group).__name__}, not a dict with name, params and lr_scale "
@@ -109,15 +110,19 @@ def _checked(group: object, i: int, named: list[tuple[str, nn.Parameter]], weigh
     if "params" not in group:
         raise ConfigError(f"{label}: no params: give the names (or patterns like 'head.*'), the parameters, or "
                           f"a function of the name")
-    return name, values[0], values[1], _members(group["params"], named, label)
+    return name, values[0], values[1], _members(group["params"], named, aliases, label)
 
 
-def _members(spec: object, named: list[tuple[str, nn.Parameter]], label: str) -> list[str]:
+def _members(spec: object, named: list[tuple[str, nn.Parameter]], aliases: list[tuple[str, nn.Parameter]],
+             label: str) -> list[str]:
     """The names of the parameters a group's `params` names: a function of the name, a name or fnmatch pattern,
     or a list of names, patterns and the model's parameters. Each of them must name one at least (a typo)."""
     first = named[0][0] if named else "?"
+    # A tied parameter answers to each of its names (a GPT's wte.weight is its lm_head.weight): its first stands
+    by_id = {id(p): n for n, p in named}
+    names = [(alias, by_id[id(p)]) for alias, p in aliases]
     if callable(spec) and not isinstance(spec, nn.Parameter):
-        found = [n for n, _ in named if spec(n)]
+        found = list(dict.fromkeys(n for alias, n in names if spec(alias)))
         if not found:
             raise ConfigError(f"{label}: its params function is true for no parameter of the model (names as "
                               f"model.named_parameters() gives them, like {first})")
@@ -126,7 +131,6 @@ def _members(spec: object, named: list[tuple[str, nn.Parameter]], label: str) ->
     if not isinstance(items, Iterable):
         raise ConfigError(f"{label}: params is a {type(spec).__name__}: give names, patterns, parameters or a "
                           f"function of the name")
-    by_id = {id(p): n for n, p in named}
     found: dict[str, None] = {}
     for item in items:
         if isinstance(item, torch.Tensor):
@@ -135,7 +139,7 @@ def _members(spec: object, named: list[tuple[str, nn.Parameter]], label: str) ->
                                   f"(param_groups gets the model as it trains: take them from it)")
             found[by_id[id(item)]] = None
         elif isinstance(item, str):
-            hits = [n for n, _ in named if n == item or fnmatch.fnmatchcase(n, item)]
+            hits = [n for alias, n in names if alias == item or fnmatch.fnmatchcase(alias, item)]
             if not hits:
                 raise ConfigError(f"{label}: {item!r} matches no parameter of the model (names as "
                                   f"model.named_parameters() gives them, like {first})")
@@ -170,7 +174,7 @@ def start_afresh(optimizer: torch.optim.Optimizer, model: nn.Module, names: set[
     from none)."""
     if not names:
         return
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter by any of its names
         if name in names:
             for value in optimizer.state.get(p, {}).values():
                 if torch.is_tensor(value):

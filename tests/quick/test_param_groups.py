@@ -51,6 +51,15 @@ def test_a_head_group_with_its_rate_and_decay_and_a_frozen_embedding():
         (["norm.weight", "norm.bias"], 0.0, 1.0)]
 
 
+def test_a_tied_parameter_is_named_by_any_of_its_names():
+    """A GPT's output layer is its token embedding: a group of "head.*" takes it, by its first name."""
+    net = Net()
+    net.head = nn.Linear(4, 10, bias=False)
+    net.head.weight = net.embed.weight
+    assert _groups(net, [{"name": "head", "params": ["head.*"], "lr_scale": 2}])["head"] == [
+        (["embed.weight"], 0.01, 2.0)]
+
+
 def test_the_optimizer_holds_no_frozen_parameter_and_set_lr_scales_each_group():
     net = Net()
     net.embed.weight.requires_grad_(False)
