@@ -12,6 +12,9 @@ did otherwise before it existed (task.pack). The rules:
   is refused. A new run from another run's checkpoint (resume=PATH) with other data starts at its beginning too;
 - refused: another run (another task, model, optimizer or seed): one line, exit 2, nothing written.
 A task's own keys follow the task's `relaunch` table (Task.relaunch); a key it does not list is refused.
+How the parameters train (Task.param_groups, requires_grad) is the task's code, not a key: a resume compares the
+checkpoint's optimizer groups with this launch's (`group_changes`), and a change is "training": each parameter
+keeps its optimizer state, one frozen when the checkpoint was saved starts afresh.
 """
 
 from __future__ import annotations
@@ -115,6 +118,48 @@ def changes(record: dict, cfg: Config) -> list[Change]:
         if key.startswith(NOT_COMPARED) or _same(old.get(key), value):
             continue
         out.append(Change(key, old.get(key), value, *rule(key, cfg.task_class)))
+    return out
+
+
+def group_changes(saved: list[dict], ours: list[dict]) -> list[Change]:
+    """What a resume changes of how the parameters train: torch's param groups as the checkpoint holds them
+    (`saved`, parameters by name; a group without "group" or "lr_scale" is a run of an older release: "default",
+    1) against this launch's (`ours`). A parameter that moved (to another group, frozen, trained again) and a
+    group's lr_scale or weight decay (a task's group's: the default group's is optim.weight_decay), each a Change
+    of rule "training". A checkpoint with no groups recorded: none."""
+    if not saved:
+        return []
+    then, now = _placed(saved), _placed(ours)
+    out = []
+    old, new = _settings(saved), _settings(ours)
+    for name in (n for n in new if n in old):
+        for i, key in enumerate(("lr_scale", "weight_decay")):
+            if old[name][i] != new[name][i] and (key == "lr_scale" or name != "default"):
+                out.append(Change(f"param_groups.{name}.{key}", old[name][i], new[name][i], TRAINING))
+    moved: dict[tuple[str, str], list[str]] = {}
+    for n in dict.fromkeys([*then, *now]):
+        if (was := then.get(n, "frozen")) != (is_ := now.get(n, "frozen")):
+            moved.setdefault((was, is_), []).append(n)
+    for (was, is_), names in moved.items():
+        more = ("" if len(names) == 1 else f" and {names[1]}" if len(names) == 2 else
+                f" and {len(names) - 1} more")
+        out.append(Change(f"parameter{'s' if len(names) > 1 else ''} {names[0]}{more}", was, is_, TRAINING))
+    return out
+
+
+def _placed(groups: list[dict]) -> dict[str, str]:
+    """{parameter name: "group <name>"} of torch's param groups as a state dict names them."""
+    return {n: f"group {g.get('group', 'default')}" for g in groups for n in g.get("params", [])}
+
+
+def _settings(groups: list[dict]) -> dict[str, tuple[float, float]]:
+    """{group name: (lr_scale, the weight decay of its matrices)}: of a group's one or two torch groups (matrices,
+    vectors), the larger decay is its matrices'."""
+    out: dict[str, tuple[float, float]] = {}
+    for g in groups:
+        name = g.get("group", "default")
+        scale, decay = out.get(name, (g.get("lr_scale", 1.0), 0.0))
+        out[name] = (scale, max(decay, g.get("weight_decay", 0.0)))
     return out
 
 

@@ -35,6 +35,9 @@ What the trainer asks of a task, and only that:
 - optional `units(batch)`: how many `unit`s (tokens) a batch holds that are not padding: what throughput and MFU
   count, the log showing the padding share.
 - optional `blocks(model)`: the model's repeated submodules, for FSDP and activation checkpointing.
+- optional `param_groups(model)`: how the parameters train: groups with a learning-rate multiplier (`lr_scale`)
+  and a weight decay of their own (a head at 10x the rate). A parameter frozen in model() (requires_grad=False)
+  does not train at all: no gradient is reduced for it, and the optimizer holds no state for it.
 - optional `init_parameter(name, full, generator)`: a meta-built model's initial values, one tensor at a
   time, drawn from `generator` alone: the same seed gives the same weights whatever the strategy and the
   world size (every rank draws each whole tensor and keeps its shard).
@@ -134,6 +137,21 @@ class Task:
         """The model's repeated parts (a transformer's blocks, a ResNet's stages): each is an FSDP unit
         (dist.strategy=fsdp or hsdp) and what train.activation_checkpointing recomputes. Default: none (FSDP
         shards the model as one unit, gathered whole for its forward)."""
+        return []
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        """How `model`'s parameters train, beside the default (the schedule's rate, optim.weight_decay): a list of
+        groups, each a dict with
+        - "name": a word, its rate's name in the log and metrics (lr_<name>);
+        - "params": which parameters: names or fnmatch patterns as model.named_parameters() gives them ("head.*"),
+          the model's parameters themselves, or a function of the name; a parameter in one group at most;
+        - "lr_scale" (default 1): its rate is the schedule's times this;
+        - "weight_decay" (default optim.weight_decay): for its matrices and kernels; its biases and norm scales
+          (1 dimension) take none, as in the default group.
+        The parameters no group names are the group "default". One frozen in model() (requires_grad=False) trains
+        in no group. `model` is the model as it trains (sharded under FSDP: the names are the same). A relaunch
+        whose groups changed applies them from the resumed step: each parameter keeps its optimizer state, one
+        that trains again starts afresh (docs/tasks.md). Default: none."""
         return []
 
     def flops_per_sample(self, model: nn.Module) -> float | None:

@@ -270,8 +270,10 @@ def _log_window(t: Training, ckpt: Checkpointer, meter: StepMeter) -> None:
     state, step = t.state, t.state.step
     loss_sum, n = distributed.all_reduce_sum([state.window_loss.item(), state.window_steps], t.device)
     # n: the window's steps that counted a target (task.count()); a window of none has no loss (NaN), not a divergence
-    t.log.train({"step": step, "epoch": state.data.epoch, "loss": loss_sum / n if n else math.nan,
-                 "lr": state.optimizer.param_groups[0]["lr"]} | meter.window())
+    # "lr": the schedule's rate of the window's last step (the base; a task's group trains at it times its lr_scale)
+    lr = optim.lr_at(step - 1, t.cfg.train.steps, t.cfg.optim)
+    t.log.train({"step": step, "epoch": state.data.epoch, "loss": loss_sum / n if n else math.nan}
+                | optim.rates(state.optimizer, lr) | meter.window())
     if n and not math.isfinite(loss_sum) and t.cfg.train.precision != "fp16":  # (fp16: the GradScaler's skipped steps)
         raise _diverged(t, ckpt, f"the training loss of steps {step - state.window_steps + 1}-{step} is "
                                  f"{loss_sum / n}")
@@ -380,6 +382,7 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision
     if not isinstance(raw, nn.Module):
         raise ConfigError(f"task {cfg.task_name}: model() must return a torch.nn.Module, got {type(raw).__name__}")
     resume.check_fresh_start(cfg)  # resume=never never overwrites an earlier run
+    optim.param_groups(raw, task.param_groups(raw), cfg.optim.weight_decay, cfg.task_name)  # its mistakes: now
     log = RunLog(cfg.run_dir, denv, cfg, unit=task.unit)  # only now: a config or data error leaves nothing behind
     if cfg.dist.sync_bn:
         raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
@@ -403,8 +406,10 @@ def build(cfg: Config, denv: distributed.DistEnv, device: torch.device, decision
     np.random.seed(rank_seed % 2**32)
     torch.manual_seed(rank_seed)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    state = TrainState(model=raw, optimizer=optim.build(cfg.optim, raw, scaler.is_enabled()), scaler=scaler,
-                       data=stream, device=device, window_loss=torch.zeros((), device=device))
+    # The task's groups are asked of the model as it trains (FSDP's parameters are its own): names and identities hold
+    optimizer = optim.build(cfg.optim, raw, scaler.is_enabled(), task.param_groups(raw), cfg.task_name)
+    state = TrainState(model=raw, optimizer=optimizer, scaler=scaler, data=stream, device=device,
+                       window_loss=torch.zeros((), device=device))
     stop = StopRequest(cfg.checkpoint.signal)
     return Training(cfg=cfg, task=task, device=device, world_size=denv.world_size, wrapped=wrapped,
                     step_loss=step_loss, state=state, evaluation=Evaluation(cfg, task, eval_loader, device, stop),
@@ -474,6 +479,8 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         whole, here = wrapping.parameter_counts(state.model)
         log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy}"
                  f"{_groups(cfg, state.model, denv.world_size)})")
+        if line := optim.described(state.optimizer, state.model):
+            log.info(line)
         log.start_tracker(cfg, ckpt, resumed)
         meter = StepMeter.build(cfg, denv.rank, denv.world_size, device, t.task, state.model, t.evaluation.loader,
                                 log, state.step)

@@ -101,6 +101,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0  # how long optimizer steps waited for it in all (bench/suite/checkpoint.py)
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
         self.changes: list[relaunch.Change] = []  # what this launch changes of the run it resumed (train/relaunch.py)
+        self.fresh: list[str] = []  # the parameters trained here that the resumed checkpoint has no optimizer state of
 
     # ---- saving
     def due(self, step: int) -> bool:
@@ -300,8 +301,9 @@ class Checkpointer:
         self.rollback, candidates = decision.rollback, decision.candidates
         failed: list[str] = []  # "step_00000020 <what is wrong with it>" of each that did not load
         # this run's model and optimizer, as DCP takes them
-        tensors = tensor_state(state.model, state.optimizer, state.step)[0] if candidates else {}
+        tensors, rest = tensor_state(state.model, state.optimizer, state.step) if candidates else ({}, {})
         expected = {part: shapes_of(tensors.get(part, {})) for part in ("model", "optimizer")}
+        ours = (rest.get("optimizer") or {}).get("param_groups") or []  # this launch's groups, parameters by name
         for path in candidates:
             t = time.perf_counter()
             # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
@@ -312,14 +314,23 @@ class Checkpointer:
             trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=True)
             # A relaunch (the run's own checkpoint) that changes a key its rule refuses: named before any tensor
             # is read, and nothing is written.
-            self.changes = relaunch.changes(trainer.get("config") or {}, self.cfg)
+            saved = ((trainer.get("rest") or {}).get("optimizer") or {}).get("param_groups") or []
+            self.changes = relaunch.changes(trainer.get("config") or {}, self.cfg) + relaunch.group_changes(saved,
+                                                                                                            ours)
+            # A parameter frozen since the save has optimizer state there that nothing reads; one trained again has
+            # none there: it starts afresh (a checkpoint that records no groups: neither)
+            then = _trained(saved if saved else ours)
+            self.fresh, dropped = sorted(_trained(ours) - then), then - _trained(ours)
             if inside(path, self.cfg.run_dir) and (line := relaunch.refusal(self.changes, self.cfg.run_dir, None)):
                 raise ConfigError(line)
             metadata = Reader(path).read_metadata()
             # A checkpoint of another model or optimizer is no damage to fall back from: the same config
             # meets the same mismatch in every checkpoint of the run. It is named, and nothing is trained.
+            theirs = {"model": shapes(metadata, "model"),
+                      "optimizer": _without(shapes(metadata, "optimizer"), dropped)}
+            mine = {"model": expected["model"], "optimizer": _without(expected["optimizer"], set(self.fresh))}
             for part, section in (("model", "task"), ("optimizer", "optim")):
-                if (mismatch := state_mismatch(expected[part], shapes(metadata, part))) is not None:
+                if (mismatch := state_mismatch(mine[part], theirs[part])) is not None:
                     raise ConfigError(f"checkpoint {path} does not match the {part} of this run"
                                       f"{config_diff(self.cfg, trainer, section)}: {mismatch}; relaunch with "
                                       f"the {section}.* settings it was trained with, or start afresh with a new "
@@ -360,14 +371,24 @@ class Checkpointer:
     def _load_tensors(self, state: TrainState, path: Path, trainer: dict) -> str | None:
         """DCP's load of the model and optimizer (every rank reads what it holds: a reshard when the world
         size or the sharding changed); what went wrong, or None."""
-        tensors, _ = tensor_state(state.model, state.optimizer, state.step)  # the shapes to read into
+        tensors, rest = tensor_state(state.model, state.optimizer, state.step)  # the shapes to read into
+        fresh = set(self.fresh)
         try:
-            dcp.load(tensors, storage_reader=Reader(path), process_group=self._group)
+            # A parameter trained again (frozen in the checkpoint) keeps the state this optimizer made for it
+            optimizer = tensors.get("optimizer", {})
+            wanted = tensors | {"optimizer": optimizer | {"state": {
+                k: v for k, v in optimizer.get("state", {}).items() if k not in fresh}}} if fresh else tensors
+            dcp.load(wanted, storage_reader=Reader(path), process_group=self._group)
             loaded = merge(tensors, trainer["rest"])
-            # This launch's optim.* values and kernels apply, not the checkpoint's (a change is said in _load).
+            # This launch's groups, parameters by name (torch matches the saved state to them by name): the
+            # checkpoint's may be others (Task.param_groups, requires_grad changed; said in _load), and this
+            # launch's optim.* values and kernels apply, not the checkpoint's.
+            if "optimizer" in rest:
+                loaded["optimizer"]["param_groups"] = rest["optimizer"]["param_groups"]
             with optim.own_settings(state.optimizer):
                 set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
                                optim_state_dict=loaded["optimizer"])
+            optim.start_afresh(state.optimizer, state.model, fresh)
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
@@ -463,6 +484,23 @@ class Checkpointer:
             self.log.info(line)
         if own and ts.step < self.cfg.train.steps and (line := relaunch.applied_line(self.changes, ts.step)):
             self.log.info(line)
+        if self.fresh:
+            names = ", ".join(self.fresh[:3]) + (f" and {len(self.fresh) - 3} more" if len(self.fresh) > 3 else "")
+            self.log.info(f"optimizer state starts afresh for {names}: frozen in {path}, which holds none")
+
+
+def _trained(groups: list[dict]) -> set[str]:
+    """The names of the parameters in an optimizer state dict's param groups."""
+    return {n for g in groups for n in g.get("params", [])}
+
+
+def _without(found: dict, params: set[str]) -> dict:
+    """{name: shape} of an optimizer's tensors ("state.<parameter>.<key>", "param_groups...") less the state of
+    `params`."""
+    if not params:
+        return found
+    return {k: v for k, v in found.items()
+            if not (k.startswith("state.") and k[len("state."):].rpartition(".")[0] in params)}
 
 
 def schedule_change(cfg: Config, theirs: dict, step: int) -> str | None:

@@ -385,7 +385,7 @@ def _wandb_key(key: str) -> str:
         return key
     if key.startswith("eval_"):
         return "eval/" + key.removeprefix("eval_")
-    if key in ("loss", "lr", "epoch"):
+    if key in ("loss", "lr", "epoch") or key.startswith("lr_"):  # lr_<group>: a task's group's rate
         return "train/" + key
     return "perf/" + key
 
