@@ -9,7 +9,8 @@ Documents apart: forward(idx, doc) with each position's document id (packed conv
 documents split at an end-of-text token) attends within a document only and restarts the positions at each one,
 so that a document's logits are those it has alone. The mask is FlexAttention's block mask under torch.compile
 (blocks no document reaches are skipped), else causal SDPA on each document alone (its own length's work, not the
-window's; the spans are read on the host). Without doc, forward computes what it always did (causal SDPA over the window).
+window's; the spans are read on the host). Without doc, forward computes what it always did (causal SDPA over the
+window).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def document_spans(doc: torch.Tensor) -> list[list[tuple[int, int]]]:
     for them: a compiled model takes FlexAttention's path, which needs none). Padding is a document of its own."""
     d = doc.cpu().numpy()
     T = d.shape[1]
-    return [list(zip(c[:-1], c[1:])) for c in
+    return [list(zip(c[:-1], c[1:], strict=True)) for c in
             ([0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), T] for row in d)]
 
 
