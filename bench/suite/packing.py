@@ -1,12 +1,12 @@
 """Packed windows against one conversation a window, and the cost of a document mask in pretraining.
 
-    python -m bench.suite.packing [--steps 12] [--seq-len 2048] [--smoke] [--json OUT]
+    python -m bench.suite.packing [--steps 12] [--seq-len 2048] [--rounds 3] [--smoke] [--json OUT]
 
 Conversations made here: lengths lognormal with median 300 tokens, 5% of them longer than the window of 2048
 (sigma = ln(2048 / 300) / 1.645), random tokens, the second half of each counted in the loss (the assistant's),
 written as masked shards. Each run is `python -m train --config configs/gpt.yaml` on one process, CPU, the tiny GPT
-(0.8M parameters) with 2048 positions, 4 windows a step, fp32: task.pack=true, then task.pack=false. The speed is the
-median of the log windows after the first (metrics.jsonl's windows a second); counted tokens a second are that times
+(0.8M parameters) with 2048 positions, 4 windows a step, fp32: task.pack=true, then task.pack=false, side by side
+in --rounds rounds (the ratio: their median). The speed is the median of the log windows after the first (metrics.jsonl's windows a second); counted tokens a second are that times
 the counted targets a window of the data set (all its windows, which an epoch reads once each). The padding share is
 the data set's (and the log's, over the steps run).
 
@@ -80,11 +80,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--conversations", type=int, default=4000)
+    p.add_argument("--rounds", type=int, default=3, help="packed and unpacked runs side by side, the median ratio")
     p.add_argument("--smoke", action="store_true", help="seconds: windows of 256, 3 steps")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.smoke:
-        args.steps, args.seq_len, args.conversations = 3, 256, 400
+        args.steps, args.seq_len, args.conversations, args.rounds = 3, 256, 400, 1
     from train.tasks import shards
 
     T = args.seq_len
@@ -97,19 +98,28 @@ def main() -> None:
                   f"train.steps={args.steps}", f"train.log_every={max(1, args.steps // 4)}", "train.eval_every=0",
                   "checkpoint.every=0", "data.num_workers=0", *SMOKE_QUIET]
         figures: dict = {}
+        counted, ratios = {}, []
         for pack in (True, False):
             ds = shards.MaskedWindows([shards.open_shard(chat / "c_train_000000.bin")], T, pack=pack)
-            counted = sum(int((ds[i][1] != shards.IGNORE).sum()) for i in range(len(ds))) / len(ds)
-            out = root / f"pack_{pack}"
-            run([PY, "-m", "train", *common, f"task.data={chat}", f"task.pack={str(pack).lower()}", f"run.dir={out}"])
-            rate, logged = windows_per_s(out)
+            counted[pack] = sum(int((ds[i][1] != shards.IGNORE).sum()) for i in range(len(ds))) / len(ds)
             name = "packed" if pack else "unpacked"
-            figures |= {f"{name}_counted_tokens_per_s": rate * counted, f"{name}_windows": len(ds),
-                        f"{name}_padding_share": ds.padding_share(), f"{name}_padding_share_logged": logged}
-            print(f"{name}: {len(ds)} windows of {T}, padding {ds.padding_share():.1%} (logged {logged:.1%}), "
-                  f"{rate:.2f} windows/s, {counted:.0f} counted targets a window: {rate * counted:.0f} counted "
-                  f"tokens/s", flush=True)
-        ratio = figures["packed_counted_tokens_per_s"] / figures["unpacked_counted_tokens_per_s"]
+            figures |= {f"{name}_windows": len(ds), f"{name}_padding_share": ds.padding_share()}
+        for r in range(args.rounds):  # side by side: this machine's speed drifts between runs
+            speed = {}
+            for pack in (True, False):
+                out = root / f"pack_{pack}_{r}"
+                run([PY, "-m", "train", *common, f"task.data={chat}", f"task.pack={str(pack).lower()}",
+                     f"run.dir={out}"])
+                rate, logged = windows_per_s(out)
+                name = "packed" if pack else "unpacked"
+                speed[pack] = rate * counted[pack]
+                figures |= {f"{name}_counted_tokens_per_s": speed[pack], f"{name}_padding_share_logged": logged}
+                print(f"round {r + 1}, {name}: {figures[f'{name}_windows']} windows of {T}, padding "
+                      f"{figures[f'{name}_padding_share']:.1%} (logged {logged:.1%}), {rate:.2f} windows/s, "
+                      f"{counted[pack]:.0f} counted targets a window: {speed[pack]:.0f} counted tokens/s", flush=True)
+            ratios.append(speed[True] / speed[False])
+        ratio = statistics.median(ratios)
+        figures |= {"packing_ratio_min": min(ratios), "packing_ratio_max": max(ratios)}
         rates = {}
         for mask in (False, True):
             out = root / f"doc_{mask}"
@@ -120,7 +130,8 @@ def main() -> None:
     figures |= {"packing_ratio": ratio, "doc_mask_cost": rates[True] / rates[False], "seq_len": T,
                 "conversations": len(lengths), "python": PY}
     met = ratio >= GOAL_RATIO and figures["packed_padding_share"] <= GOAL_PADDING
-    print(f"packed / a conversation a window, counted tokens/s: {ratio:.2f}x (goal >= {GOAL_RATIO}); padding "
+    print(f"packed / a conversation a window, counted tokens/s: {ratio:.2f}x (median of {len(ratios)} rounds, "
+          f"{min(ratios):.2f}-{max(ratios):.2f}; goal >= {GOAL_RATIO}); padding "
           f"{figures['packed_padding_share']:.2%} (goal <= {GOAL_PADDING:.0%}): {'met' if met else 'NOT met'}; "
           f"document mask in pretraining: {rates[True] / rates[False]:.2f}x the tokens/s without")
     write_json(args.json, figures | {"packing_goal_met": met})
