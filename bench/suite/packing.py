@@ -6,9 +6,10 @@ Conversations made here: lengths lognormal with median 300 tokens, 5% of them lo
 (sigma = ln(2048 / 300) / 1.645), random tokens, the second half of each counted in the loss (the assistant's),
 written as masked shards. Each run is `python -m train --config configs/gpt.yaml` on one process, CPU, the tiny GPT
 (0.8M parameters) with 2048 positions, 4 windows a step, fp32: task.pack=true, then task.pack=false, side by side
-in --rounds rounds (the ratio: their median). The speed is the median of the log windows after the first (metrics.jsonl's windows a second); counted tokens a second are that times
-the counted targets a window of the data set (all its windows, which an epoch reads once each). The padding share is
-the data set's (and the log's, over the steps run).
+in --rounds rounds (the ratio: their median). The speed is the median of the log windows after the first
+(metrics.jsonl's windows a second); counted tokens a second are that times the counted targets a window of the data
+set (all its windows, which an epoch reads once each). The padding share is the data set's (and the log's, over the
+steps run).
 
 The document mask (task.doc_mask, the built-in GPT's pretraining option): the same tokens as a pretraining shard, an
 end-of-text token (255) before each conversation; tokens a second with the mask against without (without compile:
