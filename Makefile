@@ -3,6 +3,7 @@
 #   make test                   the whole test suite (PYTEST_ARGS=, TEST_WORKERS=)
 #   make test-quick             the tests that start no process (tests/quick/), a minute or two
 #   make test-pages             every command of README.md and docs/, as a reader meets them (tests/pages/)
+#   make test-bench             the benchmarks and the GPU check's script at toy sizes on the CPU (tests/bench/)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: venv dev train-local test test-quick test-pages test-python venv-torch test-torch lint bench gpu-check clean-runs
+.PHONY: venv dev train-local test test-quick test-pages test-bench test-python venv-torch test-torch lint bench gpu-check clean-runs
 
 # The marker files make re-runs instant; they are rebuilt when the pins change.
 # Python 3.11 or newer: the pins (numpy 2.4, pillow 13, matplotlib 3.11) have no wheels for 3.10, whose
@@ -47,11 +48,16 @@ train-local: venv
 # worker, so the files that hold one resource (SLURM's cluster, the Docker engine) never share it, while
 # the tests that wait on deadlines overlap the ones that compute. tests/conftest.py orders the files.
 test: dev
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/pages $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/pages --ignore=tests/bench $(PYTEST_ARGS)
 
 # Every command of README.md and docs/, in a reader's order, on one copy of the project (tests/pages/, minutes).
 test-pages: dev
 	$(PY) -m pytest tests/pages -q $(PYTEST_ARGS)
+
+# The measuring tools: every benchmark of bench/ and `make gpu-check` at toy sizes (tests/bench/, minutes): they
+# guard the scripts that measure the template, not the template, so make test leaves them to this tier.
+test-bench: dev
+	$(PY) -m pytest tests/bench -q $(PYTEST_ARGS)
 
 # The quick tier: tests/quick/ starts no process (its conftest.py refuses one), so it needs one core and no
 # worker; the other tiers are tests/processes/ (training processes) and tests/systems/ (SLURM, Docker, real hosts).

@@ -33,7 +33,7 @@ K8S = ("a Kubernetes cluster: tests/quick/test_k8s.py validates the manifests, t
        "pods' commands")
 SUBMIT = "a SLURM cluster: tests/systems/test_slurm.py submits it to real daemons"
 ROOT_APT = "root: tests/systems/test_slurm.py starts the same cluster"
-BENCH = "minutes of CPU: tests/processes/test_bench.py runs it at toy sizes"
+BENCH = "minutes of CPU: tests/bench/test_bench.py runs it at toy sizes"
 
 # How the tests run each command of the pages' shell blocks (a line, continuations joined, its comment cut). A page
 # command missing here fails the test: a new command gets its test.
@@ -150,7 +150,7 @@ HOW: dict[str, str] = {
     ".venv/bin/python -m bench.studies.loader_start": BENCH,
     ".venv/bin/python -m bench.studies.resume_init": BENCH,
     "make gpu-check OUT=gpu-check": GPU,
-    "make gpu-check SMOKE=1 OUT=/tmp/check": "minutes of CPU: tests/processes/test_bench.py runs it",
+    "make gpu-check SMOKE=1 OUT=/tmp/check": "minutes of CPU: tests/bench/test_bench.py runs it",
     "make bench GPU_JSON=gpu-check/gpu_check.json": GPU,
     ".venv/bin/python -m bench all --gpu-only --gpu-json gpu-check/gpu_check.json": GPU,
     # docs/troubleshooting.md
