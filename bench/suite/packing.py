@@ -4,9 +4,9 @@
 
 Conversations made here: lengths lognormal with median 300 tokens, 5% of them longer than the window of 2048
 (sigma = ln(2048 / 300) / 1.645), random tokens, the second half of each counted in the loss (the assistant's),
-written as masked shards. Each run is `python -m train --config configs/gpt.yaml` on one process, CPU, the tiny GPT
-(0.8M parameters) with 2048 positions, 4 windows a step, fp32: task.pack=true, then task.pack=false, side by side
-in --rounds rounds (the ratio: their median). The speed is the median of the log windows after the first
+written as masked shards. Each run is `python -m train --config configs/gpt.yaml` on one process and one thread, CPU,
+the tiny GPT (0.8M parameters) with 2048 positions, 4 windows a step, fp32: task.pack=true, then task.pack=false, side
+by side in --rounds rounds (the ratio: their median). The speed is the median of the log windows after the first
 (metrics.jsonl's windows a second); counted tokens a second are that times the counted targets a window of the data
 set (all its windows, which an epoch reads once each). The padding share is the data set's (and the log's, over the
 steps run).
@@ -31,6 +31,10 @@ from bench.common import PY, SMOKE_QUIET, run, train_records, write_json
 
 MEDIAN, OVER = 300, 0.05  # conversation lengths: the median, the share longer than the window
 GOAL_RATIO, GOAL_PADDING = 3.0, 0.05
+# One thread: the work compared, not how a shared machine schedules two. A packed window's attention is a call per
+# document (small ones); with two threads on a busy machine each call's threads wait for each other, and the same runs
+# measured 0.3-0.6x as fast per window as with one.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 EOT = 255
 
 
@@ -110,7 +114,7 @@ def main() -> None:
             for pack in (True, False):
                 out = root / f"pack_{pack}_{r}"
                 run([PY, "-m", "train", *common, f"task.data={chat}", f"task.pack={str(pack).lower()}",
-                     f"run.dir={out}"])
+                     f"run.dir={out}"], **ONE_THREAD)
                 rate, logged = windows_per_s(out)
                 name = "packed" if pack else "unpacked"
                 speed[pack] = rate * counted[pack]
@@ -125,7 +129,7 @@ def main() -> None:
         for mask in (False, True):
             out = root / f"doc_{mask}"
             run([PY, "-m", "train", *common, f"task.data={text}", f"task.doc_mask={str(mask).lower()}",
-                 f"task.eot_id={EOT}", f"run.dir={out}"])
+                 f"task.eot_id={EOT}", f"run.dir={out}"], **ONE_THREAD)
             rates[mask] = windows_per_s(out)[0]
             print(f"pretraining, doc_mask={str(mask).lower()}: {rates[mask] * T:.0f} tokens/s", flush=True)
     figures |= {"packing_ratio": ratio, "doc_mask_cost": rates[True] / rates[False], "seq_len": T,
