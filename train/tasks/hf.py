@@ -15,11 +15,16 @@ embeddings' frequencies, computed), then the folder's weights (init_from: the pa
 a resume continues the run). `python -m train.export --format hf` writes the trained model as a folder of the same
 architecture: the path's config.json, the trained safetensors and the files the folder has beside (its tokenizer).
 
+task.lora_rank > 0 trains LoRA adapters instead (peft, injected into the meta model: with_adapters): the folder's
+weights load into the adapted layers' base_layer and stay frozen (no gradient, no optimizer state, no gradient
+reduction under DDP, FSDP or HSDP; a checkpoint holds them once); the adapters are drawn by init_parameter (lora_B
+zero: step 0 is the folder's model). The export writes them as peft saves them, or (--merged) merged into the weights.
+
 The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer (uint32 for a
 vocabulary over 65536); every token id is checked against the model's vocabulary. Shards with a loss mask beside them
 (python -m train.prepare --chat) train on the assistant's tokens only, a conversation a window. transformers,
 safetensors and tokenizers are an optional extra (pip install -r requirements-hf.txt), imported only when a run names
-this task.
+this task; peft too, imported only when a run asks for adapters.
 """
 
 from __future__ import annotations
