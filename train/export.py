@@ -1,4 +1,5 @@
-"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--dtype D] [--max-shard-size S] [--out PATH] [--force]
+"""python -m train.export RUN_DIR [--step N] [--format pt|hf] [--merged] [--dtype D] [--max-shard-size S] [--out PATH]
+                          [--force]
 
 --format pt (the default): one plain file, the model's state dict (parameter and buffer names -> tensors)
 written by torch.save, that any process loads with torch.load(FILE, weights_only=True), without this
@@ -14,6 +15,11 @@ shapes are checked against the checkpoint and against the model transformers bui
 (on the meta device) before anything is written. One file at a time is read from the checkpoint (DCP, only
 its tensors), cast, written and freed: the export holds one file's tensors, whatever the model's size.
 Default: RUN_DIR/export/step_XXXXXXXX-hf/.
+A run that trained LoRA adapters (the Hugging Face task's task.lora_rank): --format hf writes the adapters as peft's
+save_pretrained writes them (adapter_model.safetensors, adapter_config.json, README.md), which
+peft.PeftModel.from_pretrained loads over the model of task.path; with --merged, the model folder above, each
+adapted weight with its adapters' product added (peft's merge), which transformers loads alone (default:
+RUN_DIR/export/step_XXXXXXXX-hf-merged/).
 --dtype: the floating tensors' type in the files (default: as trained, fp32); integer and bool tensors keep
 theirs.
 
@@ -78,6 +84,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--format", choices=("pt", "hf"), default="pt",
                    help="pt: one torch.save file; hf: a Hugging Face model folder")
+    p.add_argument("--merged", action="store_true",
+                   help="--format hf of a run that trained LoRA adapters (task.lora_rank): the model with the adapters "
+                        "merged into its weights, a folder transformers loads alone (default: the adapters as peft "
+                        "saves them)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="the floating tensors' type (default: as trained); integer and bool tensors keep theirs")
     p.add_argument("--max-shard-size", metavar="SIZE",
@@ -86,9 +96,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "model-00001-of-0000N.safetensors and model.safetensors.index.json. The export holds one "
                         "file's tensors at a time (--format pt holds the whole model)")
     p.add_argument("--out", metavar="PATH",
-                   help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt, or step_XXXXXXXX-hf/ for --format "
-                        "hf); an existing PATH is replaced only if it is an export this command wrote (unchanged), "
-                        "an empty folder, or with --force; a failed export leaves it as it was")
+                   help="where to write (default: RUN_DIR/export/step_XXXXXXXX.pt, step_XXXXXXXX-hf/ for --format "
+                        "hf, step_XXXXXXXX-hf-merged/ with --merged); an existing PATH is replaced only if it is an "
+                        "export this command wrote (unchanged), an empty folder, or with --force; a failed export "
+                        "leaves it as it was")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out that is not an export of this command (your file or folder, "
                         "deleted once the export is written); never the run directory, its checkpoints or "
@@ -151,12 +162,16 @@ def shard_size(given: str | None) -> int:
     return size
 
 
-def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int):
-    """The hf export of checkpoint `path`, planned and checked (pretrained.hf_export) from the checkpoint's
-    metadata alone: UsageError where it does not fit, before anything is read or written."""
-    from train.checkpoint.pretrained import hf_export
+def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int, merged: bool = False):
+    """The hf export of checkpoint `path`, planned and checked (pretrained.hf_export; a run's adapters:
+    pretrained.adapter_export) from the checkpoint's metadata alone: UsageError where it does not fit, before
+    anything is read or written."""
+    from train.checkpoint.pretrained import adapter_export, hf_export
 
     hf, model = hf_form(cfg, path)
+    if merged and hf.adapters is None:
+        raise UsageError(f"--merged: checkpoint {path} is of a run that trained no adapters (task.lora_rank 0): "
+                         f"--format hf alone writes its weights")
     try:
         verify(path)
     except ValueError as e:
@@ -169,7 +184,9 @@ def hf_plan(path: Path, cfg: dict, dtype, max_shard_size: int):
               for fqn, md in metadata.state_dict_metadata.items()
               if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     try:
-        return hf_export(hf, model, stored, dtype, max_shard_size)
+        if hf.adapters is not None and not merged:
+            return adapter_export(hf, model, stored, dtype)
+        return hf_export(hf, model, stored, dtype, max_shard_size, merged)
     except ValueError as e:
         raise UsageError(f"checkpoint {path} {e}: nothing written") from None
 
@@ -473,6 +490,10 @@ def destination_error(out: Path, cause: BaseException | None) -> str | None:
     return None
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n / 2**10:.1f} KiB"
+
+
 def save_pt(weights: dict, tmp: Path) -> None:
     with open(tmp, "wb") as f:
         torch.save(weights, f)
@@ -485,10 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv)
         if args.max_shard_size is not None and args.format != "hf":
             raise UsageError("--max-shard-size splits --format hf's safetensors files; --format pt writes one file")
+        if args.merged and args.format != "hf":
+            raise UsageError("--merged writes a --format hf folder with a run's LoRA adapters merged into its "
+                             "weights; --format pt writes the model's state dict as it trains (adapters apart)")
         path = find(Path(args.run_dir), args.step)
         checkpoints = path.parent
         run = checkpoints.parent if checkpoints.name == "checkpoints" else checkpoints
-        default = run / "export" / (f"{path.name}-hf" if args.format == "hf" else f"{path.name}.pt")
+        default = run / "export" / (f"{path.name}-hf{'-merged' * args.merged}" if args.format == "hf"
+                                    else f"{path.name}.pt")
         given = Path(args.out) if args.out else default
         state = trainer_file(path)
         cfg, step, dtype = state["config"], state["step"], DTYPES.get(args.dtype)
@@ -497,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         out = check_out(given, args.format, args.force, run.resolve(), checkpoints.resolve(), cfg, default,
                         launch_dir(run))
         if args.format == "hf":
-            plan = hf_plan(path, cfg, dtype, shard_size(args.max_shard_size))
+            plan = hf_plan(path, cfg, dtype, shard_size(args.max_shard_size), args.merged)
         else:
             try:
                 weights = read_state(path, keys=("model",))["model"]
@@ -510,13 +535,22 @@ def main(argv: list[str] | None = None) -> int:
              "step": step, "dtype": args.dtype or "as trained"}
     try:
         if args.format == "hf":
-            from train.checkpoint.pretrained import save_hf
+            from train.checkpoint.pretrained import AdapterExport, save_adapters, save_hf
 
-            publish(out, "hf", lambda tmp: save_hf(path, plan, tmp), about)
+            if isinstance(plan, AdapterExport):
+                publish(out, "hf", lambda tmp: save_adapters(path, plan, tmp), about | {"adapters": True})
+                base = (cfg.get("task") or {}).get("path", "")
+                print(f"wrote {given}: {plan.adapters.about}, {_size(plan.total_size)} as peft saves them, "
+                      f"of {path} (step {step}); load them with peft.PeftModel.from_pretrained(transformers."
+                      f"AutoModelForCausalLM.from_pretrained({base!r}), {str(given)!r}), or export the merged model "
+                      f"with --merged")
+                return 0
+            publish(out, "hf", lambda tmp: save_hf(path, plan, tmp), about | ({"merged": True} if args.merged else {}))
             files = f"{len(plan.files)} safetensors files" if len(plan.files) > 1 else "one safetensors file"
+            merged = ", its LoRA adapters merged" if args.merged else ""
             print(f"wrote {given}: a Hugging Face {plan.config['architectures'][0]}, "
-                  f"{plan.total_size / 2**20:.1f} MiB in {files}, the model of {path} (step {step}); load it with "
-                  f"transformers.AutoModelForCausalLM.from_pretrained({str(given)!r})")
+                  f"{plan.total_size / 2**20:.1f} MiB in {files}, the model of {path} (step {step}{merged}); load it "
+                  f"with transformers.AutoModelForCausalLM.from_pretrained({str(given)!r})")
             return 0
         if dtype is not None:
             weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}

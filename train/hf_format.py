@@ -1,14 +1,19 @@
 """A model as Hugging Face stores it: which of a task's tensors is which in the safetensors files (HFModel,
-HFTensor, given by Task.hf_model), and what a model folder holds. Read by init_from (train/checkpoint/pretrained.py)
-and written by `python -m train.export --format hf`."""
+HFTensor, given by Task.hf_model; HFAdapters, the adapters trained over it), and what a model folder holds. Read by
+init_from (train/checkpoint/pretrained.py) and written by `python -m train.export --format hf`."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train.errors import ConfigError, missing_path
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,18 @@ class HFTensor:
     name: str  # its key in the files
     transposed: bool = False  # stored transposed: GPT-2's Conv1D keeps (in, out) where nn.Linear has (out, in)
     rows: int = 0  # only its first `rows` rows are stored (a vocabulary padded for speed); 0: every row
+
+
+@dataclass(frozen=True)
+class HFAdapters:
+    """Adapters (LoRA) trained over a frozen model: their tensors are in none of the model's files. `python -m
+    train.export --format hf` writes them as their library saves them, or (--merged) merged into the weights."""
+
+    tensors: tuple[str, ...]  # the model's adapter tensors
+    into: dict[str, tuple[str, ...]]  # an adapted weight's name (the model's) -> the adapter tensors merged into it
+    merge: Callable[[str, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]  # (name, weight, adapters) -> merged
+    save: Callable[[dict[str, torch.Tensor], Path], None]  # the adapters' values -> their library's folder at the path
+    about: str = ""  # what they are, for export's line: "LoRA adapters of rank 8 on q_proj, v_proj (4 layers)"
 
 
 @dataclass
@@ -32,6 +49,7 @@ class HFModel:
     base_prefix: str = ""
     files: tuple[str, ...] = ()  # other files export writes beside (the tokenizer of the folder it came from)
     missing: str = ""  # why a tensor may be missing from a folder of this architecture, where the task knows
+    adapters: HFAdapters | None = None  # adapters trained over the model (LoRA), not in its files
 
 
 # What a model folder holds that an export does not copy: the weights (written anew) and config.json (the task's).

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from train.errors import ConfigError
-from train.hf_format import HFModel, HFTensor  # noqa: F401  (a task's hf_model() builds them: train.task's names)
+from train.hf_format import HFAdapters, HFModel, HFTensor  # noqa: F401  (a task's hf_model() builds them: train.task's names)
 
 if TYPE_CHECKING:
     import torch

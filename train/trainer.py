@@ -477,8 +477,10 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
                  f"{_micro_steps(cfg.micro_batches(denv.world_size))} per rank a step, "
                  f"run dir {cfg.run_dir}")
         whole, here = wrapping.parameter_counts(state.model)
+        trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)  # (a DTensor's: whole)
+        frozen = f"; {trained:,} of them trained, the rest frozen" if trained < whole else ""
         log.info(f"model: {whole:,} parameters, {here:,} of them held by this rank (dist.strategy={cfg.dist.strategy}"
-                 f"{_groups(cfg, state.model, denv.world_size)})")
+                 f"{_groups(cfg, state.model, denv.world_size)}){frozen}")
         if line := optim.described(state.optimizer, state.model):
             log.info(line)
         log.start_tracker(cfg, ckpt, resumed)

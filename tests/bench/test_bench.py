@@ -65,6 +65,22 @@ def test_prepare_memory_smoke_reports_the_peak_memory_a_token(tmp_path):
     assert figures["tokens"] > 200_000 and figures["peak_rss_mib"] > figures["imports_rss_mib"] > 0, figures
 
 
+def test_lora_memory_smoke_measures_a_frozen_backbone_fine_tune(tmp_path):
+    """bench/studies/lora_memory.py (run by hand: docs/pretrained.md cites it) still runs: its frozen-backbone fine-tune
+    (the one mode no other test trains; LoRA's run is tests/processes/test_hf_task.py's) on 2 CPU ranks, a Llama of 2
+    layers of 64 wide, 2 steps (one launch, 15-30 s here): what it trains and each rank's peak (printed, not
+    asserted)."""
+    pytest.importorskip("peft", reason="pip install -r requirements-hf.txt")
+    proc = subprocess.run([PY, "-m", "bench.studies.lora_memory", "--modes", "frozen", "--layers", "2", "--hidden",
+                           "64", "--seq-len", "32", "--steps", "2", "--json", str(tmp_path / "f.json")],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads((tmp_path / "f.json").read_text())
+    frozen = figures["modes"]["frozen"]
+    assert 0 < frozen["trained"] < figures["parameters"] and min(frozen["rank_step_mib"]) > 0, figures
+    print(proc.stdout)
+
+
 def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     """`make gpu-check SMOKE=1`: every stage of the GPU machine's check at toy sizes on the CPU, so that the script is
     known to work before a GPU is there: each stage's figures in gpu_check.json, no stage failed, the stops and

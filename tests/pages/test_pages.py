@@ -75,6 +75,11 @@ HOW: dict[str, str] = {
     "task.data=data/my-text": DRY,
     'make train-local CONFIG=configs/hf.yaml ARGS="task.path=models/my-model task.data=data/my-text '
     'train.precision=fp32 task.seq_len=256 train.global_batch_size=8 train.steps=20"': RUN,
+    'make train-local CONFIG=configs/hf.yaml ARGS="run.name=hf-lora task.path=models/my-model task.data=data/my-text '
+    'task.lora_rank=8 optim.lr=1e-3 train.precision=fp32 task.seq_len=256 train.global_batch_size=8 '
+    'train.steps=20"': RUN,
+    "python -m train.export runs/hf-lora --format hf": RUN,
+    "python -m train.export runs/hf-lora --format hf --merged": RUN,
     "python -m train.export runs/hf --format hf --dtype bf16": RUN,
     "hf download openai-community/gpt2 --local-dir models/gpt2": STAND_IN,
     "python -m train.prepare corpus.txt data/gpt2-text --tokenizer models/gpt2": RUN,
@@ -322,6 +327,21 @@ def exported(run: str):
     return check
 
 
+def adapters_trained(proc: subprocess.CompletedProcess, scratch: Path) -> None:
+    """docs/pretrained.md's LoRA run: the log line it shows, and the run complete."""
+    page = (ROOT / "docs" / "pretrained.md").read_text()
+    shown = re.search(r"```\n(\[rank 0\] INFO model: .*? the rest frozen)\n```", page).group(1)
+    assert not shapes_missing([shown], proc.stdout), proc.stdout[-2000:]
+    complete("hf-lora")(proc, scratch)
+
+
+def exported_as(folder: str, *files: str):
+    def check(proc: subprocess.CompletedProcess, scratch: Path) -> None:
+        found = sorted(p.name for p in (scratch / "runs" / "hf-lora" / "export" / folder).iterdir())
+        assert set(files) <= set(found), found
+    return check
+
+
 def report(proc: subprocess.CompletedProcess, scratch: Path) -> None:
     assert (scratch / "runs" / "default" / "report.png").is_file(), proc.stdout[-2000:]
 
@@ -334,6 +354,13 @@ AFTER = {
     "make train-local CONFIG=configs/gpt.yaml": complete("gpt"),
     'make train-local CONFIG=configs/hf.yaml ARGS="run.name=hf-chat task.path=models/my-model task.data=data/chats '
     'task.seq_len=64 train.global_batch_size=8 train.steps=20 train.precision=fp32"': complete("hf-chat"),
+    'make train-local CONFIG=configs/hf.yaml ARGS="run.name=hf-lora task.path=models/my-model task.data=data/my-text '
+    'task.lora_rank=8 optim.lr=1e-3 train.precision=fp32 task.seq_len=256 train.global_batch_size=8 train.steps=20"':
+        adapters_trained,
+    "python -m train.export runs/hf-lora --format hf": exported_as("step_00000020-hf", "adapter_model.safetensors",
+                                                                     "adapter_config.json"),
+    "python -m train.export runs/hf-lora --format hf --merged": exported_as("step_00000020-hf-merged", "config.json",
+                                                                              "model.safetensors", "tokenizer.json"),
     "python -m train.export runs/hf --format hf --dtype bf16": exported("hf"),
     "python -m train.export runs/gpt2-ft --format hf": exported("gpt2-ft"),
     "python -m train.report runs/<name>": report,

@@ -118,6 +118,70 @@ def test_fine_tuned_under_fsdp_stopped_resumed_bitwise_resized_and_exported_to_t
     assert hf_models.transformers.AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
+def test_lora_under_fsdp_hsdp_and_ddp_resumes_bitwise_and_exports_for_peft_and_merged(tmp_path, llama):
+    """task.lora_rank=4 (dropout 0.1 on the adapters' input): 2 ranks FSDP to step 6 (the reference): only the 8
+    adapter tensors train (the log says so) and hold optimizer state, every frozen weight is still the folder's.
+    Another run stopped after step 3 and relaunched to 6: bit for bit the reference (adapters, optimizer, losses).
+    That run goes on under HSDP (2 replicas) to step 8 and under DDP to step 10: the frozen weights still the
+    folder's, the ranks in sync. The reference's export: its adapters as peft saves them, which
+    PeftModel.from_pretrained loads over the folder with the trained model's logits bit for bit; --merged, a folder
+    transformers loads alone with those logits, peft's own merge_and_unload's bit for bit."""
+    import peft
+    from safetensors.torch import load_file
+
+    from tests.conftest import summary
+    from train import export
+
+    folder, data = llama
+    lora = ["task.lora_rank=4", "task.lora_dropout=0.1"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    rc, out, err = finish(_launch(ref, folder, data, "train.steps=6", *lora))
+    assert rc == 0, err[-3000:]
+    assert "(dist.strategy=fsdp); 896 of them trained, the rest frozen" in out + err, (out + err)[-3000:]
+    init, a = load_file(str(folder / "model.safetensors")), _state(ref, 6)
+    adapters = sorted(k for k in a["model"] if ".lora_" in k)
+    assert len(adapters) == 8 and sorted(a["optimizer"]["state"]) == adapters
+    for k, v in a["model"].items():
+        if k not in adapters:
+            assert torch.equal(v, init[k.replace(".base_layer.", ".")]), f"{k} moved"
+    assert all(a["model"][k].any() for k in adapters)  # lora_B too: trained away from its zero
+
+    stop_at(_launch(run, folder, data, "train.steps=6", *lora), run, 3)
+    rc, out, err = finish(_launch(run, folder, data, "train.steps=6", *lora))
+    assert rc == 0, err[-3000:]
+    b = latest_state(run)
+    assert b["step"] == 6 and a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        assert all(torch.equal(t, b["optimizer"]["state"][k][n]) for n, t in v.items()), k
+    assert train_losses(run) == train_losses(ref)
+    for steps, strategy in (("8", ["dist.strategy=hsdp", "dist.shard_size=1"]), ("10", ["dist.strategy=ddp"])):
+        rc, out, err = finish(_launch(run, folder, data, f"train.steps={steps}", *lora, *strategy))
+        assert rc == 0, err[-3000:]
+        c = latest_state(run)["model"]
+        assert all(torch.equal(v, init[k.replace(".base_layer.", ".")]) for k, v in c.items() if k not in adapters)
+        assert summary(run)["ranks_in_sync"] and len(train_losses(run)) == int(steps)
+
+    assert export.main([str(ref), "--format", "hf"]) == 0
+    exported = ref / "export" / "step_00000006-hf"
+    assert sorted(p.name for p in exported.iterdir()) == [".train-export.json", "README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    assert json.loads((exported / "adapter_config.json").read_text())["r"] == 4
+    _, trained = task_model(folder, a["model"], *lora)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    base = hf_models.transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ours = trained(tokens).logits
+        with_peft = peft.PeftModel.from_pretrained(base, exported).eval()
+        assert torch.equal(with_peft(tokens).logits, ours)
+        peft_merged = with_peft.merge_and_unload()(tokens).logits
+    assert not torch.allclose(ours, hf_models.logits_of(folder, tokens), atol=1e-4)  # trained: moved
+    assert export.main([str(ref), "--format", "hf", "--merged"]) == 0
+    merged = hf_models.logits_of(ref / "export" / "step_00000006-hf-merged", tokens)
+    assert torch.equal(merged, peft_merged) and (merged - ours).abs().max() < 1e-5
+
+
 CASES = {
     "a folder that does not exist": "does not exist: check the path (a Hugging Face model folder, copied to this "
                                     "machine: nothing is downloaded)",

@@ -226,3 +226,50 @@ def test_the_hf_task_reads_the_masks_and_its_loss_counts_the_assistant_tokens_on
         assert task.count((x, y, doc)) == 28
         ev = task.eval_step(model, (x, y, doc))
     assert ev["count"] == 28 and ev["loss"].item() == pytest.approx(28 * expect.item(), rel=1e-5)
+
+
+def test_lora_adapters_start_as_the_model_itself_and_only_they_train(tmp_path):
+    """task.lora_rank=4 (peft's default targets for Llama: q_proj and v_proj): the folder's weights load into the
+    adapted layers' base_layer (the file's names), lora_B starts at zero so that the logits are transformers' own bit
+    for bit, lora_A is drawn from the trainer's generator (the same for a seed, another for another seed), and only
+    the adapters require a gradient and reach the optimizer. Targets that the model lacks, and adapter keys without a
+    rank, are one line."""
+    from train import config, optim
+    from train.config import ConfigError
+
+    folder = hf_models.tiny_llama(tmp_path / "llama")
+    task, model = task_model(folder, None, "task.lora_rank=4")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained == [f"model.layers.{i}.self_attn.{m}_proj.lora_{ab}.default.weight"
+                       for i in range(2) for m in "qv" for ab in "AB"]
+    q, q_proj = model.model.layers[0].self_attn.q_proj, "model.layers.0.self_attn.q_proj"
+    assert not q.lora_B.default.weight.any() and q.lora_A.default.weight.std() > 0.05
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, hf_models.logits_of(folder, tokens))
+    hf = task.hf_model(model)
+    assert hf.tensors[f"{q_proj}.base_layer.weight"].name == f"{q_proj}.weight"
+    assert not any("lora_" in n for n in hf.tensors) and hf.adapters.tensors == tuple(trained)
+    assert hf.adapters.about == "LoRA adapters of rank 4 on q_proj, v_proj (4 layers)"
+    params = {id(p) for g in optim.build(config.load("configs/hf.yaml", []).optim, model).param_groups
+              for p in g["params"]}
+    assert params == {id(p) for p in model.parameters() if p.requires_grad}
+
+    again = task_model(folder, None, "task.lora_rank=4")[1].model.layers[0].self_attn.q_proj
+    other = task_model(folder, None, "task.lora_rank=4", "seed=1")[1].model.layers[0].self_attn.q_proj
+    assert torch.equal(again.lora_A.default.weight, q.lora_A.default.weight)
+    assert not torch.equal(other.lora_A.default.weight, q.lora_A.default.weight)
+    every = task_model(folder, None, "task.lora_rank=2", "task.lora_targets=all-linear")[1]
+    assert sum(p.requires_grad for p in every.parameters()) == 2 * 7 * 2  # 7 linear layers a block, lm_head not
+
+    for overrides, words in ((["task.lora_rank=4", "task.lora_targets=q_proj,qkv_proj"],
+                              "task.lora_targets: the LlamaForCausalLM of " + str(folder) + " has no module named "
+                              "qkv_proj (its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                              "down_proj, lm_head; or all-linear)"),
+                             (["task.lora_alpha=16"], "task.lora_alpha is set, and task.lora_rank is 0")):
+        with pytest.raises(ConfigError) as e:
+            cfg = config.load("configs/hf.yaml", [f"task.path={folder}", "task.data=x", "task.seq_len=32", *overrides])
+            t = cfg.task_class(cfg.task, cfg.seed)
+            t.check()
+            t.model()
+        assert words in str(e.value)

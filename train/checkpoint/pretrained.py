@@ -15,9 +15,11 @@ vocabulary padded for speed); nothing else is written by hand. Nothing is downlo
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
-from dataclasses import dataclass, fields, is_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ from train.checkpoint.dcp_io import Reader, error_text
 from train.checkpoint.resume import shapes, shapes_of, state_mismatch
 from train.checkpoint.storage import NAME, complete_checkpoints, fsync_dir, verify
 from train.errors import ConfigError, missing_path
-from train.hf_format import HFModel, HFTensor, hf_config, is_hf_folder
+from train.hf_format import HFAdapters, HFModel, HFTensor, hf_config, is_hf_folder
 
 KEY = "task.init_from"
 
@@ -213,13 +215,63 @@ class HFExport:
     index: dict | None  # model.safetensors.index.json where there is more than one file
     copied: tuple[str, ...]  # written beside (the tokenizer of the folder the run started from)
     total_size: int
+    # --merged: an adapted weight's name -> its adapters' {name: (stored shape, dtype)}, and how they merge into it
+    into: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = field(default_factory=dict)
+    merge: Callable | None = None
+
+
+@dataclass
+class AdapterExport:
+    """What `python -m train.export --format hf` writes for a run that trained adapters (LoRA): their tensors
+    (name: stored shape and dtype), written as their library saves them (HFAdapters.save)."""
+
+    adapters: HFAdapters
+    tensors: dict[str, tuple[torch.Size, torch.dtype]]
+    dtype: torch.dtype | None  # --dtype
+
+    @property
+    def total_size(self) -> int:
+        return sum(math.prod(shape) * (self.dtype or kept).itemsize for shape, kept in self.tensors.values())
+
+
+def _stored_adapters(names, model: nn.Module, stored: dict) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The checkpoint's adapter tensors `names` (shape, dtype), checked against the task's model; ValueError."""
+    shapes = {name: tuple(t.shape) for name, t in model.named_parameters()}
+    found = {}
+    for name in names:
+        if name not in stored:
+            raise ValueError(f"holds no adapter tensor model.{name}, which the task's model has (it holds "
+                             f"{len(stored)}, e.g. {', '.join(sorted(stored)[:3])}): a checkpoint of another model")
+        if tuple(stored[name][0]) != shapes[name]:
+            raise ValueError(f"holds model.{name} of the shape {list(stored[name][0])}, the task's model has "
+                             f"{list(shapes[name])}: a checkpoint of another model")
+        found[name] = stored[name]
+    return found
+
+
+def adapter_export(hf: HFModel, model: nn.Module, stored: dict, dtype: torch.dtype | None) -> AdapterExport:
+    """The export of a run's adapters (hf.adapters) from the checkpoint whose model tensors are `stored`."""
+    return AdapterExport(hf.adapters, _stored_adapters(hf.adapters.tensors, model, stored), dtype)
+
+
+def save_adapters(checkpoint: Path, plan: AdapterExport, out: Path) -> None:
+    """The adapters of `checkpoint` (read by DCP: only theirs), cast where --dtype says, written at `out` (a new
+    folder) by their library."""
+    tensors = {name: torch.empty(tuple(shape), dtype=kept) for name, (shape, kept) in plan.tensors.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({f"model.{k}": v for k, v in tensors.items()}, storage_reader=Reader(checkpoint), no_dist=True)
+    if plan.dtype is not None:
+        tensors = {k: v.to(plan.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    plan.adapters.save(tensors, out)
 
 
 def hf_export(hf: HFModel, model: nn.Module, stored: dict, dtype: torch.dtype | None, max_shard_size: int,
-              ) -> HFExport:
+              merged: bool = False) -> HFExport:
     """The export of the checkpoint whose model tensors are `stored` ({name: (shape, dtype)}) as the task's HF
     model `hf` (of `model`, built on meta); ValueError in one line where a key or a shape does not fit: the
-    checkpoint against the task's model, the files against what transformers builds from config.json."""
+    checkpoint against the task's model, the files against what transformers builds from config.json. `merged`:
+    the adapters (hf.adapters) added into the weights they adapt."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     params = {name for name, _ in model.named_parameters()}
@@ -259,8 +311,12 @@ def hf_export(hf: HFModel, model: nn.Module, stored: dict, dtype: torch.dtype | 
     if split.is_sharded:  # as transformers' save_pretrained writes it
         total = sum(layout[k].numel() for k, (name, *_) in tensors.items() if name in params)
         index = {"metadata": {"total_parameters": total, **split.metadata}, "weight_map": split.tensor_to_filename}
+    into = {}
+    if merged:
+        into = {name: _stored_adapters(names, model, stored) for name, names in hf.adapters.into.items()}
     return HFExport(config=config, tensors=tensors, files=dict(split.filename_to_tensors), index=index,
-                    copied=hf.files, total_size=split.metadata["total_size"])
+                    copied=hf.files, total_size=split.metadata["total_size"], into=into,
+                    merge=hf.adapters.merge if merged else None)
 
 
 def _check_architecture(config: dict, files: dict[str, tuple]) -> tuple[str | None, list[str]]:
@@ -309,19 +365,24 @@ def save_hf(checkpoint: Path, plan: HFExport, out: Path) -> None:
 
     out.mkdir()
     for filename, keys in plan.files.items():
-        targets, tensors = {}, {}
+        targets, tensors, adapters = {}, {}, {}
         for key in keys:
             name, spec, shape, kept, _ = plan.tensors[key]
             buf = torch.empty(tuple(shape[::-1]) if spec.transposed else tuple(shape), dtype=kept)
             tensors[key] = buf
             targets[f"model.{name}"] = buf.t() if spec.transposed else buf  # DCP writes into the file's layout
+            for adapter, (ashape, akept) in plan.into.get(name, {}).items():  # --merged: read beside it
+                adapters.setdefault(name, {})[adapter] = targets[f"model.{adapter}"] = torch.empty(ashape,
+                                                                                                   dtype=akept)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(targets, storage_reader=Reader(checkpoint), no_dist=True)
         del targets
         for key in keys:
-            _, spec, _, kept, cast = plan.tensors[key]
+            name, spec, _, kept, cast = plan.tensors[key]
             t = tensors[key]
+            if name in adapters:  # (an adapted layer is stored as the model has it: not transposed, no padding)
+                t = plan.merge(name, t, adapters.pop(name))
             if spec.rows:  # the vocabulary's first rows: a view, contiguous
                 t = t[:spec.rows] if not spec.transposed else t[..., :spec.rows].contiguous()
             tensors[key] = t.to(cast) if cast != kept else t  # one tensor's copy at a time

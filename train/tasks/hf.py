@@ -15,18 +15,24 @@ embeddings' frequencies, computed), then the folder's weights (init_from: the pa
 a resume continues the run). `python -m train.export --format hf` writes the trained model as a folder of the same
 architecture: the path's config.json, the trained safetensors and the files the folder has beside (its tokenizer).
 
+task.lora_rank > 0 trains LoRA adapters instead (peft, injected into the meta model: with_adapters): the folder's
+weights load into the adapted layers' base_layer and stay frozen (no gradient, no optimizer state, no gradient
+reduction under DDP, FSDP or HSDP; a checkpoint holds them once); the adapters are drawn by init_parameter (lora_B
+zero: step 0 is the folder's model). The export writes them as peft saves them, or (--merged) merged into the weights.
+
 The data are the GPT task's token shards (train/tasks/shards.py), made with the model's tokenizer (uint32 for a
 vocabulary over 65536); every token id is checked against the model's vocabulary. Shards with a loss mask beside them
 (python -m train.prepare --chat) train on the assistant's tokens only, conversations packed into windows (task.pack),
 each attending to itself alone (position ids restarting at each: transformers' packed sequences). transformers,
 safetensors and tokenizers are an optional extra (pip install -r requirements-hf.txt), imported only when a run names
-this task.
+this task; peft too, imported only when a run asks for adapters.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -36,7 +42,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from train.config import ConfigError
-from train.hf_format import HFModel, HFTensor, beside_weights, hf_config
+from train.hf_format import HFAdapters, HFModel, HFTensor, beside_weights, hf_config
 from train.task import Task
 from train.tasks import shards
 from train.tasks.gpt_model import restarted_positions
@@ -71,10 +77,15 @@ class CausalLM(Task):
         attention: Literal["sdpa", "eager"] = "sdpa"  # transformers' attn_implementation (both deterministic)
         # Masked shards: conversations packed into windows, each attending to itself alone; false: one a window.
         pack: Literal["auto", True, False] = "auto"  # auto: packed, or as the run was where a relaunch finds it
+        lora_rank: int = 0  # > 0: LoRA adapters of this rank train (peft), the model's own weights frozen; 0: all train
+        lora_alpha: float = 0.0  # the adapters' output is scaled by lora_alpha / lora_rank; 0: the rank (scale 1)
+        lora_dropout: float = 0.0  # dropout on the adapters' input (training only)
+        lora_targets: str = ""  # the adapted modules' names, comma-separated, or all-linear; "": peft's default
 
     unit = "tokens"
     relaunch = {"path": "refused", "data": "data", "eval_data": "applied", "format": "data", "seq_len": "data",
-                "attention": "applied", "pack": "data"}
+                "attention": "applied", "pack": "data", "lora_rank": "refused", "lora_alpha": "refused",
+                "lora_dropout": "training", "lora_targets": "refused"}
     legacy = {"pack": False}  # a run recorded before task.pack: its conversations were a window each
 
     @classmethod
@@ -150,6 +161,7 @@ class CausalLM(Task):
                               f"tokenizer: python -m train.prepare TEXT DIR --tokenizer {c.path})")
         if c.seq_len <= 0:
             raise ConfigError(f"task.seq_len must be > 0, got {c.seq_len}")
+        self.check_adapters()
         if Path(c.path).exists():  # a folder not copied yet (a config written first) is missing when the run starts
             self.folder_config()
 
@@ -197,14 +209,15 @@ class CausalLM(Task):
         config, t = self.hf_config(), _transformers()
         try:
             with torch.device("meta"):  # no memory: the trainer shards it, then gives it its values
-                return t.AutoModelForCausalLM.from_config(config, attn_implementation=self.cfg.attention,
-                                                          dtype=torch.float32)
+                model = t.AutoModelForCausalLM.from_config(config, attn_implementation=self.cfg.attention,
+                                                           dtype=torch.float32)
         except Exception as e:
             if self.cfg.attention == "sdpa" and "scaled_dot_product_attention" in str(e):
                 raise ConfigError(f"task.attention: transformers {t.__version__} has no sdpa attention for the "
                                   f"{config.model_type} model of {self.cfg.path}: set task.attention=eager") from None
             raise ConfigError(f"{KEY}: transformers builds no causal language model from {self.cfg.path}/config.json "
                               f"(model_type {config.model_type!r}: {_one_line(e)})") from None
+        return self.with_adapters(model)
 
     def init_from(self) -> str:
         return self.cfg.path
@@ -219,7 +232,10 @@ class CausalLM(Task):
         """transformers' own init of the tensor `name` (the model's _init_weights, applied as initialize_weights
         does: to the module holding it, then to each module above), on a meta model of this task's own in which
         `full` stands for that one tensor: the draws that touch other tensors touch meta ones and draw nothing,
-        and the draws are from `generator` alone. Buffers too: the rotary embeddings' inv_freq, in no file."""
+        and the draws are from `generator` alone. Buffers too: the rotary embeddings' inv_freq, in no file. An
+        adapter's tensor: peft's init (init_adapter)."""
+        if init_adapter(name, full, generator):
+            return
         owner_name, _, attr = name.rpartition(".")
         chain = [self.skeleton()]
         for part in owner_name.split(".") if owner_name else ():
@@ -259,8 +275,10 @@ class CausalLM(Task):
         """The folder's own architecture: each parameter and persistent buffer under its own name (the names of
         transformers' state dict are those of its files), a tied weight once (as save_pretrained leaves out
         lm_head.weight), config.json as the folder has it, and the folder's other files (its tokenizer). Files
-        that leave out the base model's prefix (transformer., model.) load too, as transformers loads them."""
-        tensors = {name: HFTensor(name) for name, _ in model.named_parameters()}  # a tied weight once
+        that leave out the base model's prefix (transformer., model.) load too, as transformers loads them. With
+        adapters: an adapted layer's weight under its own name (peft's base_layer left out), the adapters apart."""
+        tensors = {name: HFTensor(name.replace(".base_layer.", ".")) for name, _ in model.named_parameters()
+                   if not is_adapter(name)}  # a tied weight once
         for prefix, module in model.named_modules():
             for key, t in module._buffers.items():
                 if t is not None and key not in module._non_persistent_buffers_set:
@@ -271,7 +289,7 @@ class CausalLM(Task):
         # the files of the base model (GPT-2 as the Hub stores it: wte.weight, h.0...) leave its prefix out
         prefix = getattr(model, "base_model_prefix", "") or ""
         return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files,
-                       missing=_renamed_on_load(self.skeleton()))
+                       missing=_renamed_on_load(self.skeleton()), adapters=self.hf_adapters(model))
 
     def logits(self, model: nn.Module, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """transformers' logits of x; with doc (packed conversations' ids) each conversation's alone: the position
@@ -326,6 +344,147 @@ class CausalLM(Task):
 
     def units_per_sample(self) -> int:
         return self.cfg.seq_len
+
+    # ---------------------------------------------------------------- adapters (LoRA)
+
+    def check_adapters(self) -> None:
+        c = self.cfg
+        if c.lora_rank < 0:
+            raise ConfigError(f"task.lora_rank must be >= 0 (0: no adapters, every weight trains), got {c.lora_rank}")
+        if c.lora_alpha < 0:
+            raise ConfigError(f"task.lora_alpha must be >= 0 (0: the rank), got {c.lora_alpha}")
+        if not 0 <= c.lora_dropout < 1:
+            raise ConfigError(f"task.lora_dropout must be in [0, 1), got {c.lora_dropout}")
+        if not c.lora_rank:
+            for key in ("lora_alpha", "lora_dropout", "lora_targets"):
+                if getattr(c, key):
+                    raise ConfigError(f"task.{key} is set, and task.lora_rank is 0 (no adapters: every weight "
+                                      f"trains): set task.lora_rank (e.g. 8) to train LoRA adapters")
+
+    def lora_config(self):
+        """peft's LoraConfig of the task's keys; None without adapters (task.lora_rank 0)."""
+        c = self.cfg
+        if not c.lora_rank:
+            return None
+        names = [n.strip() for n in c.lora_targets.split(",") if n.strip()]
+        alpha = c.lora_alpha or c.lora_rank
+        return _peft().LoraConfig(r=c.lora_rank, lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
+                                  lora_dropout=c.lora_dropout, bias="none", task_type="CAUSAL_LM",
+                                  target_modules=None if not names else "all-linear" if names == ["all-linear"]
+                                  else names)
+
+    def with_adapters(self, model: nn.Module) -> nn.Module:
+        """`model` (on meta) with peft's LoRA layers in place of the targeted ones (their weight kept as
+        `<layer>.base_layer.weight`, the adapters `<layer>.lora_A.default.weight`, `lora_B`), every other weight
+        frozen (requires_grad False: no gradient, no optimizer state, no gradient reduction); as it is without."""
+        config = self.lora_config()
+        if config is None:
+            return model
+        if isinstance(config.target_modules, (list, set)):
+            modules = [name for name, _ in model.named_modules()]
+            for target in sorted(config.target_modules):
+                if not any(m == target or m.endswith(f".{target}") for m in modules):
+                    raise ConfigError(f"task.lora_targets: the {type(model).__name__} of {self.cfg.path} has no module "
+                                      f"named {target} (its linear layers: {', '.join(_linear_names(model))}; or "
+                                      f"all-linear)")
+        try:
+            with torch.device("meta"), warnings.catch_warnings():  # peft's notices (a meta model) on every rank
+                warnings.simplefilter("ignore")
+                _peft().inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+        except ValueError as e:  # no default targets for this architecture
+            raise ConfigError(f"task.lora_targets: peft adapts no module of the {type(model).__name__} of "
+                              f"{self.cfg.path} by default ({_one_line(e)}): name them (its linear layers: "
+                              f"{', '.join(_linear_names(model))}; or all-linear)") from None
+        return model
+
+    def hf_adapters(self, model: nn.Module) -> HFAdapters | None:
+        """The adapters of `model` as export writes them (train/hf_format.py); None without."""
+        if not self.cfg.lora_rank:
+            return None
+        names = tuple(name for name, _ in model.named_parameters() if is_adapter(name))
+        into: dict[str, list[str]] = {}
+        for name in names:
+            into.setdefault(f"{name.split('.lora_')[0]}.base_layer.weight", []).append(name)
+        targets = ", ".join(dict.fromkeys(k.removesuffix(".base_layer.weight").rpartition(".")[2] for k in into))
+        return HFAdapters(tensors=names, into={k: tuple(v) for k, v in into.items()}, merge=self.merge_adapters,
+                          save=self.save_adapters,
+                          about=f"LoRA adapters of rank {self.cfg.lora_rank} on {targets} ({len(into)} layers)")
+
+    def merge_adapters(self, name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weight `name` (a base layer's) with its adapters' product added, as peft's merge_and_unload adds it:
+        its layer's get_delta_weight (B @ A times the scale), computed on a meta model of the task's own whose
+        adapter tensors stand for these for the call."""
+        skeleton = self.skeleton()
+        layer = skeleton.get_submodule(name.removesuffix(".base_layer.weight"))
+        places = []
+        for key, tensor in adapters.items():
+            owner_name, _, attr = key.rpartition(".")
+            owner = skeleton.get_submodule(owner_name)
+            places.append((owner, attr, owner._parameters[attr]))
+            owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+        try:
+            with torch.no_grad():
+                delta = layer.get_delta_weight("default")
+        finally:
+            for owner, attr, was in places:
+                owner._parameters[attr] = was
+        return weight + delta.to(weight.dtype)
+
+    def save_adapters(self, tensors: dict[str, torch.Tensor], out: Path) -> None:
+        """The adapters (the model's names -> their values) written as peft's save_pretrained writes them:
+        adapter_model.safetensors, adapter_config.json (the base model: task.path) and its README.md, in `out`,
+        by a peft model built on meta over the task's architecture."""
+        peft, t = _peft(), _transformers()
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = t.AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.cfg.attention,
+                                                      dtype=torch.float32)
+            model = peft.get_peft_model(base, self.lora_config())
+            model.save_pretrained(str(out), state_dict={f"base_model.model.{k}": v for k, v in tensors.items()})
+
+
+def _peft():
+    """peft, for a run with adapters (task.lora_rank > 0) and their export."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError(f"task.lora_rank: LoRA adapters need peft ({e}): pip install -r "
+                          f"requirements-hf.txt") from None
+    return peft
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the tensor `name` is an adapter's (peft's lora_A, lora_B, ...: trained, in no file of the model)."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+def init_adapter(name: str, full: torch.Tensor, generator: torch.Generator) -> bool:
+    """peft's default init of an adapter's tensor (init_lora_weights=True), drawn from `generator`: lora_A as an
+    nn.Linear's weight (Kaiming uniform), lora_B zero, so that the adapted model starts as the model itself (an
+    embedding's adapter: A zero, B normal). False for a tensor that is no adapter's."""
+    parts = name.split(".")
+    with torch.no_grad():
+        if "lora_A" in parts:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+        elif "lora_B" in parts or "lora_embedding_A" in parts:
+            full.zero_()
+        elif "lora_embedding_B" in parts:
+            full.normal_(generator=generator)
+        elif is_adapter(name):
+            raise ConfigError(f"task.lora_targets: peft made {name}, whose init this task does not know (adapt "
+                              f"linear or embedding layers)")
+        else:
+            return False
+    return True
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The names of the model's linear layers (the last part of each, once, in order): what LoRA adapts."""
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":  # GPT-2's
+            names.setdefault(name.rpartition(".")[2], None)
+    return list(names)
 
 
 def _renamed_on_load(model: nn.Module) -> str:
