@@ -23,6 +23,7 @@ import json
 import math
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,35 @@ def write_data(folder: Path, lengths: list[int], seed: int = 0) -> tuple[Path, P
     return chat, text
 
 
+def cpu_rate(ds, seq_len: int, steps: int, seed: int = 0) -> float:
+    """Counted targets per CPU-second of a training step (forward, backward, AdamW) of the tiny GPT on batches of 4
+    windows spread over the data set, in this process on one thread: the work, which a busy machine does not change
+    (its wall time it does)."""
+    import torch
+
+    from train.tasks import shards
+    from train.tasks.gpt_model import GPT, preset
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = GPT(preset("tiny", block_size=seq_len))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    stride = max(1, len(ds) // (4 * steps))
+    counted, cpu = 0, 0.0
+    for k in range(steps + 1):  # the first: a warm-up, not counted
+        x, y, doc = (torch.stack(t) for t in zip(*(ds[(4 * k + j) * stride % len(ds)] for j in range(4)),
+                                                 strict=True))
+        start = time.process_time()
+        loss = shards.lm_loss(model(x, doc) if ds.pack else model(x), y, summed=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if k:
+            cpu += time.process_time() - start
+            counted += int((y != shards.IGNORE).sum())
+    return counted / cpu
+
+
 def windows_per_s(run_dir: Path) -> tuple[float, float | None]:
     """(median windows a second over the log windows after the first, the mean padding share logged)."""
     recs = [r for r in train_records(run_dir) if "loss" in r]
@@ -108,7 +138,8 @@ def main() -> None:
             ds = shards.MaskedWindows([shards.open_shard(chat / "c_train_000000.bin")], T, pack=pack)
             counted[pack] = sum(int((ds[i][1] != shards.IGNORE).sum()) for i in range(len(ds))) / len(ds)
             name = "packed" if pack else "unpacked"
-            figures |= {f"{name}_windows": len(ds), f"{name}_padding_share": ds.padding_share()}
+            figures |= {f"{name}_windows": len(ds), f"{name}_padding_share": ds.padding_share(),
+                        f"{name}_counted_tokens_per_cpu_s": cpu_rate(ds, T, 2 if args.smoke else 6)}
         for r in range(args.rounds):  # side by side: this machine's speed drifts between runs
             speed = {}
             for pack in (True, False):
@@ -124,7 +155,9 @@ def main() -> None:
                       f"{counted[pack]:.0f} counted targets a window: {speed[pack]:.0f} counted tokens/s", flush=True)
             ratios.append(speed[True] / speed[False])
         ratio = statistics.median(ratios)
-        figures |= {"packing_ratio_min": min(ratios), "packing_ratio_max": max(ratios)}
+        cpu_ratio = figures["packed_counted_tokens_per_cpu_s"] / figures["unpacked_counted_tokens_per_cpu_s"]
+        figures |= {"packing_ratio_min": min(ratios), "packing_ratio_max": max(ratios),
+                    "packing_ratio_cpu": cpu_ratio}
         rates = {}
         for mask in (False, True):
             out = root / f"doc_{mask}"
@@ -134,9 +167,11 @@ def main() -> None:
             print(f"pretraining, doc_mask={str(mask).lower()}: {rates[mask] * T:.0f} tokens/s", flush=True)
     figures |= {"packing_ratio": ratio, "doc_mask_cost": rates[True] / rates[False], "seq_len": T,
                 "conversations": len(lengths), "python": PY}
-    met = ratio >= GOAL_RATIO and figures["packed_padding_share"] <= GOAL_PADDING
-    print(f"packed / a conversation a window, counted tokens/s: {ratio:.2f}x (median of {len(ratios)} rounds, "
-          f"{min(ratios):.2f}-{max(ratios):.2f}; goal >= {GOAL_RATIO}); padding "
+    # The goal is judged on the CPU-seconds' ratio: the trainer's wall-clock one moves 2-4x between runs here.
+    met = cpu_ratio >= GOAL_RATIO and figures["packed_padding_share"] <= GOAL_PADDING
+    print(f"packed / a conversation a window, counted tokens a CPU-second of a step: {cpu_ratio:.2f}x; the trainer's "
+          f"counted tokens/s: {ratio:.2f}x (median of {len(ratios)} rounds, {min(ratios):.2f}-{max(ratios):.2f}) "
+          f"(goal on the first: >= {GOAL_RATIO}); padding "
           f"{figures['packed_padding_share']:.2%} (goal <= {GOAL_PADDING:.0%}): {'met' if met else 'NOT met'}; "
           f"document mask in pretraining: {rates[True] / rates[False]:.2f}x the tokens/s without")
     write_json(args.json, figures | {"packing_goal_met": met})
