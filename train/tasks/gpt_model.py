@@ -63,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        """mask: None (causal over the window), each window's document spans (document_spans), or a FlexAttention
+        """mask: None (causal over the window), each window's document lengths (document_spans), or a FlexAttention
         BlockMask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -72,9 +72,12 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         elif isinstance(mask, list):  # each document alone, causal: the work of its own length, not the window's
-            y = torch.cat([torch.cat([F.scaled_dot_product_attention(
-                q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], dropout_p=dropout, is_causal=True)
-                for s, e in spans], dim=2) for b, spans in enumerate(mask)])
+            # unbind and split, not indexing: their backward is one stack and one cat, where each index's would fill
+            # a zero tensor of the whole batch's size
+            y = torch.stack([torch.cat([F.scaled_dot_product_attention(
+                qd[None], kd[None], vd[None], dropout_p=dropout, is_causal=True)[0]
+                for qd, kd, vd in zip(qb.split(sizes, 1), kb.split(sizes, 1), vb.split(sizes, 1), strict=True)], dim=1)
+                for qb, kb, vb, sizes in zip(q.unbind(0), k.unbind(0), v.unbind(0), mask, strict=True)])
         else:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -171,13 +174,12 @@ def restarted_positions(doc: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(1).values
 
 
-def document_spans(doc: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Each window's documents as (start, end) spans of positions, read from the ids on the host (on a GPU, a wait
-    for them: a compiled model takes FlexAttention's path, which needs none). Padding is a document of its own."""
+def document_spans(doc: torch.Tensor) -> list[list[int]]:
+    """Each window's documents as their lengths, in order, read from the ids on the host (on a GPU, a wait for them:
+    a compiled model takes FlexAttention's path, which needs none). Padding is a document of its own."""
     d = doc.cpu().numpy()
     T = d.shape[1]
-    return [list(zip(c[:-1], c[1:], strict=True)) for c in
-            ([0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), T] for row in d)]
+    return [np.diff([0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), T]).tolist() for row in d]
 
 
 def block_mask(doc: torch.Tensor):
