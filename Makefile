@@ -31,8 +31,8 @@ else
 endif
 	@touch $@
 
-# The development set-up adds the tests' tools and the optional Hugging Face trio (requirements-hf.txt); with
-# TORCH=, less requirements-dev.txt's `-r requirements.txt` (the pins).
+# The development set-up adds the tests' tools and the optional Hugging Face extra (requirements-hf.txt: transformers,
+# safetensors, tokenizers; peft for LoRA); with TORCH=, less requirements-dev.txt's `-r requirements.txt` (the pins).
 DEV_REQUIREMENTS = $(if $(TORCH),<(grep -v '^-r requirements.txt' requirements-dev.txt),requirements-dev.txt)
 $(VENV)/.dev: $(VENV)/.deps requirements-dev.txt requirements-hf.txt
 	$(PY) -m pip install -q -r $(DEV_REQUIREMENTS) -r requirements-hf.txt
