@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, train_records
-from bench.suite.fsdp_run_memory import OUT_VAR, labelled
+from bench.suite.fsdp_run_memory import OUT_VAR, labelled, sampling_site
 from train.tasks.hf import CausalLM
 
 VOCAB = 8192
@@ -79,14 +79,8 @@ MODES = {"full": [], "frozen": ["task.name=bench.studies.lora_memory:FrozenBackb
 
 
 def run(args: argparse.Namespace, mode: str, work: Path) -> dict:
-    out, run_dir, site = work / f"rss-{mode}", work / f"run-{mode}", work / "site"
+    out, run_dir, site = work / f"rss-{mode}", work / f"run-{mode}", sampling_site(work)
     out.mkdir()
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        "import os\n"
-        f"if os.environ.get({OUT_VAR!r}) and os.environ.get('LOCAL_RANK') is not None:\n"
-        "    from bench.suite import fsdp_run_memory\n"
-        f"    fsdp_run_memory.sample_in_rank(os.environ[{OUT_VAR!r}])\n")
     cuda = args.device == "cuda"
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={args.nproc}", "--", "--config", "configs/hf.yaml",
            f"run.dir={run_dir}", f"task.path={work / 'model'}", f"task.data={work / 'shards'}",

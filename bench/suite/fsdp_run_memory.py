@@ -119,11 +119,9 @@ def labelled(phases: list[list]) -> dict[str, float]:
     return out
 
 
-def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str, float]], float]:
-    """One launch; each rank's peak MiB by phase, and the model's bytes (MiB)."""
-    name = "tiny" if tiny else "big"
-    out, run_dir = work / f"rss-{name}", work / f"run-{name}"
-    out.mkdir()
+def sampling_site(work: Path) -> Path:
+    """A folder with the sitecustomize.py that starts the sampler in each rank (where OUT_VAR is set): put it first on
+    the launch's PYTHONPATH."""
     site = work / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(
@@ -131,6 +129,15 @@ def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str
         f"if os.environ.get({OUT_VAR!r}) and os.environ.get('LOCAL_RANK') is not None:\n"
         "    from bench.suite import fsdp_run_memory\n"
         f"    fsdp_run_memory.sample_in_rank(os.environ[{OUT_VAR!r}])\n")
+    return site
+
+
+def run(args: argparse.Namespace, tiny: bool, work: Path) -> tuple[list[dict[str, float]], float]:
+    """One launch; each rank's peak MiB by phase, and the model's bytes (MiB)."""
+    name = "tiny" if tiny else "big"
+    out, run_dir = work / f"rss-{name}", work / f"run-{name}"
+    out.mkdir()
+    site = sampling_site(work)
     sizes = [] if tiny else [f"task.n_layer={args.layers}", f"task.n_embd={args.embd}", f"task.n_head={args.heads}"]
     steps = args.steps
     cmd = [sys.executable, "-m", "train.launch", f"--nproc-per-node={args.nproc}", "--",
