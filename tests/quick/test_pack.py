@@ -189,7 +189,7 @@ def test_a_conversations_logits_in_a_packed_window_are_its_logits_alone_hf(tmp_p
     x, _, doc = batch
     assert (doc.amax(1) > 0).all()
     with torch.no_grad():
-        logits = task.logits(model, x, doc)
+        logits = task.logits(model, batch)
         assert torch.isfinite(logits).all()
         for row in range(len(x)):
             for d in range(int(doc[row].max()) + 1):

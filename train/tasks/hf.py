@@ -291,12 +291,12 @@ class CausalLM(Task):
         return HFModel(config=config, tensors=tensors, base_prefix=f"{prefix}." if prefix else "", files=files,
                        missing=_renamed_on_load(self.skeleton()), adapters=self.hf_adapters(model))
 
-    def logits(self, model: nn.Module, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
-        """transformers' logits of x; with doc (packed conversations' ids) each conversation's alone: the position
-        ids restart at each, and transformers' mask keeps each to itself (check_packing)."""
-        if doc is None:
-            return model(input_ids=x).logits
-        return model(input_ids=x, position_ids=restarted_positions(doc)).logits
+    def logits(self, model: nn.Module, batch) -> torch.Tensor:
+        """transformers' logits of a batch's x; packed (x, y, doc): each conversation's alone, the position ids
+        restarting at each, and transformers' mask keeps each to itself (check_packing)."""
+        if not self.packed:
+            return model(input_ids=batch[0]).logits
+        return model(input_ids=batch[0], position_ids=restarted_positions(batch[2])).logits
 
     masked = False  # whether the shards have loss masks (datasets() says): then count() counts their targets
 
@@ -306,8 +306,7 @@ class CausalLM(Task):
         # y (batch[1]) is x shifted by one already: no labels for the model (it would shift them again).
         # Masked shards: the sum over the targets that count (count(): the trainer divides by the step's count);
         # others: the mean over the window's targets. Autocast: in fp32.
-        return shards.lm_loss(self.logits(model, batch[0], batch[2] if self.packed else None), batch[1],
-                              summed=self.masked)
+        return shards.lm_loss(self.logits(model, batch), batch[1], summed=self.masked)
 
     def count(self, batch) -> torch.Tensor | None:
         """Masked shards: the targets that count (the assistant's); others: None, the per-window mean."""
@@ -319,7 +318,7 @@ class CausalLM(Task):
 
     def eval_step(self, model: nn.Module, batch) -> dict:
         # averaged per counted token, not per window
-        return shards.lm_eval(self.logits(model, batch[0], batch[2] if self.packed else None), batch[1])
+        return shards.lm_eval(self.logits(model, batch), batch[1])
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         if "loss" not in means:
