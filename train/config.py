@@ -96,6 +96,8 @@ class CheckpointConfig:
     async_: bool = False  # YAML/CLI key: checkpoint.async; write in the background (copied during the next step)
     threads: int = 8  # files each rank writes at once (DCP's thread_count), one per 16 MiB at most
     signal: Literal["SIGTERM", "SIGUSR1", "SIGUSR2"] = "SIGTERM"  # save and exit 75 ("requeue me") on it
+    memory_every: int = 0  # copy the state to host memory every N steps: a crash loses at most N (0: off)
+    memory_dir: str = "/dev/shm"  # where those copies live: host memory that outlives a worker (a tmpfs)
 
 
 @dataclass
@@ -514,6 +516,7 @@ def validate(cfg: Config, world_size: int | None = None, per_node: int | None = 
     _require(c.keep >= 2, f"checkpoint.keep must be >= 2, got {c.keep}")
     _require(c.keep_every >= 0, f"checkpoint.keep_every must be >= 0, got {c.keep_every}")
     _require(c.threads >= 1, f"checkpoint.threads must be >= 1, got {c.threads}")
+    _require(c.memory_every >= 0, f"checkpoint.memory_every must be >= 0 (0: off), got {c.memory_every}")
     _require(bool(cfg.run.name) and "/" not in cfg.run.name,
              f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
     _validate_observability(cfg)

@@ -251,6 +251,8 @@ def fit(t: Training, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
                 _checked_save(t, ckpt, ckpt.save)
             if t.stop.agreed(t.device):  # a stop that came during the save ends with it
                 return _stop(t, ckpt)
+        elif ckpt.memory.due(step):
+            ckpt.save_memory(state)  # copied while the next step runs (its optimizer step waits for the copy)
         if state.eval_pending and step < cfg.train.steps and _evaluate(t, meter) is None:
             return _stop(t, ckpt)
     # The end (also reached by a relaunch whose last checkpoint is the final step): the final evaluation.
@@ -450,17 +452,19 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
     try:
         device = distributed.setup(denv, cfg.dist.backend, cfg.dist.timeout_s)
         check_tracker(cfg, denv.rank)  # e.g. W&B online without an API key: exit 2 before anything is written
-        decision = resume.agree(cfg, denv.rank, denv.world_size)  # the one resume decision of this launch
+        # the one resume decision of this launch, over the disk's checkpoints and the states in host memory
+        decision = resume.agree(cfg, denv.rank, denv.world_size, denv.local_world_size)
         t = build(cfg, denv, device, decision)
         # The objects built so far (torch's modules, the model, the loader) live as long as the run: a full
         # collection no longer scans them, so none lands inside a step or a checkpoint load.
         gc.freeze()
         log, state = t.log, t.state
         hang.start(cfg.run_dir, denv)  # the hosts of all ranks; who hung, should a collective time out
-        ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log)
+        ckpt = Checkpointer(cfg, denv.rank, denv.world_size, log, denv.local_world_size)
         t.stop.install()
         t.markers.forget_stopped()
         resumed = ckpt.resume(state, decision)  # a mismatched checkpoint raises here, before anything is written
+        ckpt.memory.keep_up_to(state.step if resumed else None)  # newer states in host memory: another future's
         source = "" if resumed else t.task.init_from()  # the run's own checkpoints come first
         if source:
             pretrained.load(state.model, t.task, source, log)
@@ -471,6 +475,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
                 raise ConfigError(line)  # a change that needs training, on a run with no step left
             ignored = "".join(f", {c} changes nothing here" for c in ckpt.changes)
             log.info(f"run {cfg.run_dir} is already complete at step {state.step}; nothing to do{ignored}")
+            ckpt.memory.clear()
             return 0  # its record (config.yaml, run_info.json) stays that of the run that trained it
         log.run_info(cfg, denv, device)
         log.info(f"world size {denv.world_size} ({denv.launcher}), device {device}, "
@@ -489,6 +494,7 @@ def run(cfg: Config, denv: distributed.DistEnv) -> int:
         t.markers.started(state.step)  # for the launcher: a stop from here on ends with a checkpoint
         summary = fit(t, ckpt, meter)
         ckpt.wait()
+        ckpt.memory.clear()  # the run ends with its disk checkpoint (finished, or stopped): host memory is let go
         if summary is None:
             exit_code = EXIT_REQUEUE
             return EXIT_REQUEUE

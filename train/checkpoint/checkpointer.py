@@ -57,6 +57,7 @@ from train.checkpoint.dcp_io import (
     tensor_state,
     write_threads,
 )
+from train.checkpoint.memory import HostMemory, MemoryState
 from train.checkpoint.resume import Decision, config_diff, shapes, shapes_of, state_mismatch
 from train.checkpoint.state import TrainState
 from train.checkpoint.storage import (
@@ -80,7 +81,7 @@ from train.parallel.distributed import sync_buffers
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, rank: int, world_size: int, log):
+    def __init__(self, cfg: Config, rank: int, world_size: int, log, per_node: int = 1):
         self.cfg, self.rank, self.world_size, self.log = cfg, rank, world_size, log
         self.dir = cfg.run_dir / "checkpoints"
         self.saved_step: int | None = None  # the step of the last save started in this process
@@ -102,6 +103,7 @@ class Checkpointer:
         self.tracker_id: str | None = None  # the experiment tracker's run id, kept across resumes
         self.changes: list[relaunch.Change] = []  # what this launch changes of the run it resumed (train/relaunch.py)
         self.fresh: list[str] = []  # the parameters trained here that the resumed checkpoint has no optimizer state of
+        self.memory = HostMemory(cfg, rank, world_size, per_node, log, self._group)  # checkpoint.memory_every
 
     # ---- saving
     def due(self, step: int) -> bool:
@@ -126,17 +128,7 @@ class Checkpointer:
         # (BatchNorm statistics), those that DDP would give them at the start of the next forward anyway.
         sync_buffers(state.model)
         tensors, rest = tensor_state(state.model, state.optimizer, state.step)
-        trainer = {
-            "format": FORMAT,
-            "rest": rest,  # the optimizer's hyper-parameters: all of its state that is not a tensor
-            "scaler": state.scaler.state_dict(),
-            "step": state.step,
-            "data": state.data.state_dict() | {"seed": self.cfg.seed},
-            "eval_pending": state.eval_pending,
-            "world_size": self.world_size,
-            "config": to_dict(self.cfg),
-            "tracker": {"run_id": self.tracker_id},
-        } if self.rank == 0 else None
+        trainer = self._trainer(state) | {"rest": rest} if self.rank == 0 else None
         tmp = self.dir / f".step_{state.step:08d}.tmp"
         threads = write_threads(tensors, self.cfg.checkpoint.threads, self.world_size)
         background = self.cfg.checkpoint.async_ and not blocking
@@ -153,6 +145,26 @@ class Checkpointer:
                                              process_group=self._group)
             self._write(write_tensors, tmp, state.step, trainer, mine, writer.fs)
             self._raise_pending_error()
+
+    def _trainer(self, state: TrainState) -> dict:
+        """trainer.pt less the ranks' own parts (their RNG states and loss windows) and the optimizer's rest."""
+        return {
+            "format": FORMAT,
+            "scaler": state.scaler.state_dict(),
+            "step": state.step,
+            "data": state.data.state_dict() | {"seed": self.cfg.seed},
+            "eval_pending": state.eval_pending,
+            "world_size": self.world_size,
+            "config": to_dict(self.cfg),
+            "tracker": {"run_id": self.tracker_id},
+        }
+
+    def save_memory(self, state: TrainState) -> None:
+        """A copy of the state into host memory (checkpoint.memory_every: train/checkpoint/memory.py), every rank."""
+        sync_buffers(state.model)
+        mine = {"rng": rng_state(state.device),
+                "window": {"loss": float(state.window_loss.item()), "steps": state.window_steps}}
+        self.memory.save(state, self._trainer(state), mine)
 
     def _writer_jobs(self, device: torch.device) -> queue.SimpleQueue:
         """This process's checkpoint writer: one daemon thread, started at the first asynchronous save and
@@ -304,8 +316,13 @@ class Checkpointer:
         tensors, rest = tensor_state(state.model, state.optimizer, state.step) if candidates else ({}, {})
         expected = {part: shapes_of(tensors.get(part, {})) for part in ("model", "optimizer")}
         ours = (rest.get("optimizer") or {}).get("param_groups") or []  # this launch's groups, parameters by name
+        self.memory.run_id = decision.memory_id
         for path in candidates:
             t = time.perf_counter()
+            if isinstance(path, MemoryState):
+                if self._resume_memory(state, path, ours, t):
+                    return True
+                continue
             # Every rank resumes from the same checkpoint: one that any rank cannot read is skipped by all.
             if problem := self._agreed_problem(self._check(path)):
                 self.log.warning(f"checkpoint {path} {problem}; all ranks trying the previous one")
@@ -379,19 +396,47 @@ class Checkpointer:
             wanted = tensors | {"optimizer": optimizer | {"state": {
                 k: v for k, v in optimizer.get("state", {}).items() if k not in fresh}}} if fresh else tensors
             dcp.load(wanted, storage_reader=Reader(path), process_group=self._group)
-            loaded = merge(tensors, trainer["rest"])
-            # This launch's groups, parameters by name (torch matches the saved state to them by name): the
-            # checkpoint's may be others (Task.param_groups, requires_grad changed; said in _load), and this
-            # launch's optim.* values and kernels apply, not the checkpoint's.
-            if "optimizer" in rest:
-                loaded["optimizer"]["param_groups"] = rest["optimizer"]["param_groups"]
-            with optim.own_settings(state.optimizer):
-                set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
-                               optim_state_dict=loaded["optimizer"])
-            optim.start_afresh(state.optimizer, state.model, fresh)
+            self._set_state(state, tensors, trainer["rest"], rest, fresh)
         except (Exception, CheckpointException) as e:
             return f"does not load ({error_text(e)})"
         return None
+
+    @staticmethod
+    def _set_state(state: TrainState, tensors: dict, saved_rest: dict, rest: dict, fresh: set[str]) -> None:
+        """The loaded tensors and the checkpoint's rest into the model and optimizer."""
+        loaded = merge(tensors, saved_rest)
+        # This launch's groups, parameters by name (torch matches the saved state to them by name): the
+        # checkpoint's may be others (Task.param_groups, requires_grad changed; said in _load), and this
+        # launch's optim.* values and kernels apply, not the checkpoint's.
+        if "optimizer" in rest:
+            loaded["optimizer"]["param_groups"] = rest["optimizer"]["param_groups"]
+        with optim.own_settings(state.optimizer):
+            set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optimizer"])
+        optim.start_afresh(state.optimizer, state.model, fresh)
+
+    def _resume_memory(self, state: TrainState, candidate: MemoryState, ours: list, t: float) -> bool:
+        """A state in host memory (resume.with_memory chose it), on every rank: loaded, or False (all ranks try
+        the disk's next). Its changes are a relaunch's: a refused one stops the start as from disk."""
+        problem, loaded = None, None
+        try:
+            loaded = self.memory.load(state, candidate)
+        except (Exception, CheckpointException) as e:
+            problem = f"does not load ({error_text(e)})"
+        if problem := self._agreed_problem(problem):
+            self.log.warning(f"{candidate} {problem}; all ranks trying the disk's checkpoints")
+            return False
+        trainer = loaded["trainer"]
+        saved = ((trainer.get("rest") or {}).get("optimizer") or {}).get("param_groups") or []
+        self.changes = relaunch.changes(trainer.get("config") or {}, self.cfg) + relaunch.group_changes(saved, ours)
+        if line := relaunch.refusal(self.changes, self.cfg.run_dir, None):
+            raise ConfigError(line)
+        self._set_state(state, loaded["tensors"], trainer["rest"], loaded["rest"], set())
+        self._load(state, trainer, candidate, time.perf_counter() - t)
+        self.resumed_from = candidate
+        if self.rank == 0:
+            self._set_aside_after(state.step)
+        return True
 
     def _set_aside_after(self, step: int) -> None:
         """Move this run's checkpoints after `step` (abandoned by a resume from it: a rollback, or a fall back
@@ -451,7 +496,7 @@ class Checkpointer:
         ts.step = int(state["step"])
         ts.eval_pending = bool(state.get("eval_pending", False))
         data_state = state["data"]
-        own = inside(path, self.cfg.run_dir)
+        own = isinstance(path, MemoryState) or inside(path, self.cfg.run_dir)
         other_data = relaunch.data_changed(self.changes) or (not own and any(c.key == "task.name" for c in
                                                                              self.changes))
         if other_data:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from train.checkpoint import memory
 from train.checkpoint.storage import (
     MANIFEST,
     NAME,
@@ -85,6 +86,18 @@ RESUME_CASES = {
     "PATH inside the run directory": (
         "a rollback, once: the later checkpoints are set aside, the saves after it record it",
         ["processes/test_resume.py::test_resuming_before_newer_checkpoints_sets_them_aside_and_keeps_the_new_saves"]),
+    "a memory state newer than the disk's": (
+        "every rank loads its share from host memory (checkpoint.memory_every; a node that lost it is sent a peer's "
+        "copy), bitwise as from disk; the disk's checkpoints are tried next if it does not load",
+        ["processes/test_memory.py::test_a_killed_worker_resumes_from_host_memory_bitwise_and_loses_at_most_"
+         "memory_every_steps"]),
+    "an incomplete memory state": (
+        "a newer state some share of which no node holds (a copy cut short, a host lost without a peer's copy) is "
+        "removed; the newest complete state, in memory or on disk, loads",
+        ["processes/test_memory.py::test_an_incomplete_memory_state_is_passed_over_for_the_disk"]),
+    "PATH inside the run directory, newer states in host memory": (
+        "the rollback as without them: they are removed, never loaded",
+        ["processes/test_memory.py::test_a_rollback_ignores_and_removes_newer_states_in_host_memory"]),
     "never": (
         "a fresh run from step 0; refused (exit 2) where the run directory holds a run: nothing is overwritten",
         ["processes/test_stops.py::test_resume_never_on_an_earlier_run_refuses_in_one_line_and_changes_nothing"]),
@@ -94,31 +107,63 @@ RESUME_CASES = {
 @dataclass
 class Decision:
     case: str  # a key of RESUME_CASES
-    candidates: list[Path]  # the checkpoints to try, best first
+    candidates: list  # the checkpoints to try, best first: folders (Path) and states in host memory (MemoryState)
     rollback: str | None = None  # resume=PATH inside the run directory: PATH relative to it (every save records it)
+    memory_id: str | None = None  # which run the states in host memory are of (memory.memory_id)
 
     def line(self, resume: str) -> str:
         return f"resume={resume}: {self.case}: {RESUME_CASES[self.case][0]}"
 
 
-def agree(cfg: Config, rank: int, world_size: int) -> Decision:
+def agree(cfg: Config, rank: int, world_size: int, per_node: int = 1) -> Decision:
     """The launch's one resume decision, the same on every rank, made before anything is built: what the build
-    leaves uninitialized (a resume overwrites it) and what Checkpointer.resume tries follow from it alone.
+    leaves uninitialized (a resume overwrites it) and what Checkpointer.resume tries follow from it alone; and
+    the run's memory id (memory.memory_id).
 
-    The candidates come from the run's checkpoint folder, listed by rank 0: a folder every node shares, where a
-    node with a stale listing must not pick another step. A usage error (ConfigError) is raised on every rank.
-    Which candidate loads is agreed later, checkpoint by checkpoint, over every rank's share of its files."""
-    found: list = [None, None]  # the decision, or the error that refuses the start
+    The candidates come from two sources: the run's checkpoint folder, listed by rank 0 (a folder every node
+    shares, where a node with a stale listing must not pick another step), and the states in host memory that
+    each node holds (checkpoint.memory_every), listed by every rank and gathered. A usage error (ConfigError) is
+    raised on every rank. Which candidate loads is agreed later, candidate by candidate, over every rank's share."""
+    found: list = [None, None, None]  # the decision, or the error that refuses the start; the memory id
     if rank == 0:
         try:
             found[0] = decide(cfg)
+            found[2] = memory.memory_id(cfg, create=False)
         except ConfigError as e:
             found[1] = str(e)
     if world_size > 1:
         dist.broadcast_object_list(found, src=0)
     if found[1] is not None:
         raise ConfigError(found[1])
-    return found[0]
+    decision, run_id = found[0], found[2]
+    layout = memory.Layout.of(cfg, world_size, per_node)
+    held = memory.listing(cfg, run_id, layout, rank)
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, held)
+        held = sorted({x for rank_held in everyone for x in rank_held})
+    decision = with_memory(decision, held, layout)
+    decision.memory_id = run_id
+    return decision
+
+
+def with_memory(decision: Decision, held: list[tuple[int, int, int]], layout: memory.Layout) -> Decision:
+    """The disk's decision, with the newest complete state in host memory first where it is newer than the run's
+    own checkpoints. A rollback and a fresh start (resume=never) load none."""
+    complete, incomplete = memory.complete_steps(held, layout)
+    if not held or decision.case == "never":
+        return decision
+    if decision.case == "PATH inside the run directory":
+        return Decision("PATH inside the run directory, newer states in host memory", decision.candidates,
+                        decision.rollback)
+    own = [c for c in decision.candidates if decision.case != "PATH, the run directory holds none of its own"
+           and NAME.match(c.name) and (c / MANIFEST).exists()]
+    newest = max((int(NAME.match(c.name).group(1)) for c in own), default=-1)
+    if complete is not None and complete.step > newest:
+        return Decision("a memory state newer than the disk's", [complete, *decision.candidates], decision.rollback)
+    if incomplete is not None and incomplete > newest:
+        return Decision("an incomplete memory state", decision.candidates, decision.rollback)
+    return decision
 
 
 def decide(cfg: Config) -> Decision:

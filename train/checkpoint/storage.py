@@ -174,3 +174,31 @@ def inside(path: Path, folder: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+# ---------------------------------------------------------------- host memory (checkpoint.memory_every)
+# A node's states in host memory, in one folder per run under checkpoint.memory_dir (train/checkpoint/memory.py):
+#     share<K>.slot<S>.bin                   the tensors of share K (a rank's, or a replica's), mapped from memory
+#     share<K>.slot<S>.step_<NNNNNNNN>.pt    its record, written last: the share at that step is complete
+# The step is in the record's name, so that the launcher sees progress without torch (launch/verdict.py).
+MEMORY_RECORD = re.compile(r"^share(\d+)\.slot([01])\.step_(\d{8})\.pt$")
+MEMORY_ID = "memory_id"  # <run_dir>/checkpoints/memory_id: which run a memory folder's states belong to
+
+
+def memory_folder(memory_dir: Path, run_dir: Path) -> Path:
+    """The folder of a run's states in host memory: one per user and run directory (its resolved path)."""
+    import hashlib
+
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(memory_dir) / f"train-memory-{os.getuid()}-{digest}"
+
+
+def memory_records(folder: Path) -> list[tuple[int, int, int, Path]]:
+    """(step, share, slot, record) of the complete shares in a memory folder, newest first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = [(int(m.group(3)), int(m.group(1)), int(m.group(2)), folder / n)
+             for n in names if (m := MEMORY_RECORD.match(n))]
+    return sorted(found, reverse=True)

@@ -45,6 +45,7 @@ import uuid
 from pathlib import Path
 
 from train import config
+from train.checkpoint.storage import memory_folder
 from train.errors import EXIT_REQUEUE, EXIT_USAGE, LAUNCH_ID_VAR, ConfigError
 from train.launch.command import (
     REQUEUE_CODE_VAR,
@@ -106,7 +107,7 @@ def _main(argv: list[str] | None) -> int:
     if args.dry_run:
         print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
         return 0
-    history = History(cfg.run_dir, opts)
+    history = History(cfg.run_dir, opts, memory_folder(Path(cfg.checkpoint.memory_dir), cfg.run_dir))
     try:
         rc = _launch(args, opts, cmd, cfg, train_args, signals, before)
     except NotUp as e:  # nothing was trained: the job should be retried (PyTorchJob: 143, recreated), a few times

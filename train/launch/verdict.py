@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from train import config
-from train.checkpoint.storage import NAME, complete_checkpoints
+from train.checkpoint.storage import NAME, complete_checkpoints, memory_records
 from train.errors import EXIT_REQUEUE, EXIT_USAGE, say
 from train.launch.command import usage_line
 from train.launch.forwarding import Signals, Stopped
@@ -93,16 +93,20 @@ class History:
     preemption) neither counts nor resets it; after the exit 2 the count starts again, for the relaunch by
     hand."""
 
-    def __init__(self, run_dir: Path, opts: dict[str, str | None]) -> None:
+    def __init__(self, run_dir: Path, opts: dict[str, str | None], memory: Path | None = None) -> None:
         self.limit = int(opts.get("max_failed_launches") or 0)
         node = "" if opts["nnodes"] == "1" else "." + re.sub(r"[^\w.-]", "_", opts["node_rank"] or socket.gethostname())
         self.path = run_dir / ".launch" / f"history{node}.json"
         self.checkpoints = run_dir / "checkpoints"
+        self.memory = memory  # the run's states in host memory on this node (checkpoint.memory_every)
         self.start = self._step()
 
     def _step(self) -> int:
+        """The newest step a relaunch would resume from: on disk, or in this node's host memory."""
         found = complete_checkpoints(self.checkpoints)
-        return int(NAME.match(found[0].name).group(1)) if found else 0
+        disk = int(NAME.match(found[0].name).group(1)) if found else 0
+        held = memory_records(self.memory)[:1] if self.memory is not None else []
+        return max(disk, *(step for step, *_ in held))
 
     def _read(self) -> dict:
         try:
@@ -122,7 +126,8 @@ class History:
             os.replace(tmp, self.path)
 
     def end(self, rc: int, failed: bool) -> int:
-        """The launcher's exit code, rc or 2 for a restart loop; updates the history."""
+        """The launcher's exit code, rc or 2 for a restart loop; updates the history. Progress is the step a
+        relaunch resumes from, in memory too: torchrun's restarts within a launch go on from there."""
         if rc == 0 or self._step() > self.start:
             self._write(None)
             return rc
