@@ -195,6 +195,8 @@ def _mapped(path: Path, nbytes: int, write: bool) -> torch.Tensor:
         try:
             if os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, nbytes)
+            if nbytes:  # the pages now: a full tmpfs is an OSError here, not a SIGBUS in the copy
+                os.posix_fallocate(fd, 0, nbytes)
         finally:
             os.close(fd)
     if nbytes == 0:
@@ -296,10 +298,10 @@ class HostMemory:
         if found := next(((r, p) for r, p in enumerate(problems) if p), None):
             self.on = False
             if self.rank == 0:
-                self.log.warning(f"checkpoint.memory_every={self.every}: rank {found[0]}'s node {found[1]} (at most "
-                                 f"half of the free host memory): copies in host memory are off for this launch, "
-                                 f"only disk checkpoints serve a restart. Give it more (docker: --shm-size) or set "
-                                 f"checkpoint.memory_dir")
+                self.log.warning(f"checkpoint.memory_every={self.every}: copies in host memory are off for this "
+                                 f"launch, only disk checkpoints serve a restart: rank {found[0]}'s node {found[1]} "
+                                 f"(they may take half of it). Give {self.cfg.checkpoint.memory_dir} more room "
+                                 f"(docker: --shm-size), or set checkpoint.memory_dir")
             return False
         self._write_owner()
         return True
