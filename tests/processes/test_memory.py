@@ -2,7 +2,9 @@
 processes, real SIGKILLs and real files in /dev/shm (or a folder of the test's: checkpoint.memory_dir)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -87,7 +89,14 @@ def test_an_incomplete_memory_state_is_passed_over_for_the_disk(tmp_path):
     newest = held[0][0]
     assert newest >= 6 and {share for step, share, *_ in held if step == newest} == {0, 1}, held
     next(path for step, share, _, path in held if step == newest and share == 1).unlink()
+    # a killed run's folder whose run directory is gone, and one of a live run: the start removes the first only
+    gone, live = memory_folder(shm, tmp_path / "deleted"), memory_folder(shm, ref)
+    for other, run_dir in ((gone, tmp_path / "deleted"), (live, ref)):
+        shutil.copytree(folder, other)
+        (other / "owner.json").write_text(json.dumps({"run_dir": str(run_dir), "memory_id": "abc"}))
+    (ref / "checkpoints" / "memory_id").write_text("abc\n")
     run_train(cut, *STEPS, *fsdp, nproc=2, entry=RNG_DRAWS)
+    assert not gone.exists() and live.exists()
     log = log_of(cut)
     assert "resume=auto: an incomplete memory state" in log, log
     disk = max(int(p.name[5:]) for p in (cut / "checkpoints").glob("step_*") if int(p.name[5:]) < 14)
