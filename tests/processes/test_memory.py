@@ -9,6 +9,8 @@ import signal
 import stat
 import subprocess
 
+import pytest
+
 from tests.conftest import PY, RNG_DRAWS, ROOT, TINY, assert_same_training, clean_env, metrics, pacing, run_train
 from tests.procs import descendants, environ, kill_family, wait_for
 from train.checkpoint.storage import memory_folder, memory_records
@@ -36,11 +38,19 @@ def log_of(run_dir) -> str:
     return (run_dir / "logs" / "rank0.log").read_text()
 
 
-def test_a_killed_worker_resumes_from_host_memory_bitwise_and_loses_at_most_memory_every_steps(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the DDP tests' runs must end as: no copy in host memory, a disk checkpoint every 4 steps (saves
+    change nothing trained)."""
+    ref = tmp_path_factory.mktemp("memory") / "ref"
+    run_train(ref, *STEPS, "checkpoint.every=4", nproc=2, entry=RNG_DRAWS)
+    return ref
+
+
+def test_a_killed_worker_resumes_from_host_memory_bitwise_and_loses_at_most_memory_every_steps(tmp_path, uninterrupted):
     """SIGKILL of rank 1 mid-run, no disk checkpoint yet: torchrun's restart resumes from /dev/shm, at most 2 steps
     back, and the run ends bitwise as an uninterrupted one; its memory files were 0600 and are gone at the end."""
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    run_train(ref, *STEPS, nproc=2, entry=RNG_DRAWS)
+    ref, cut = uninterrupted, tmp_path / "cut"
     proc = torchrun(cut, "checkpoint.memory_every=2", restarts=1)
     folder = memory_folder("/dev/shm", cut)
     try:
@@ -105,12 +115,11 @@ def test_an_incomplete_memory_state_is_passed_over_for_the_disk(tmp_path):
     assert not folder.exists() and disk >= 4
 
 
-def test_a_rollback_ignores_and_removes_newer_states_in_host_memory(tmp_path):
+def test_a_rollback_ignores_and_removes_newer_states_in_host_memory(tmp_path, uninterrupted):
     """resume=PATH to an older checkpoint of the run: newer states in host memory are neither loaded nor kept
     (a later crash must not bring back the abandoned steps)."""
-    ref, cut, shm = tmp_path / "ref", tmp_path / "cut", tmp_path / "shm"
+    ref, cut, shm = uninterrupted, tmp_path / "cut", tmp_path / "shm"
     disk = ["checkpoint.every=4", f"checkpoint.memory_dir={shm}"]
-    run_train(ref, *STEPS, *disk, nproc=2, entry=RNG_DRAWS)
     kill_at(cut, 11, *disk, "checkpoint.memory_every=2")
     folder = memory_folder(shm, cut)
     assert memory_records(folder)[0][0] >= 10
