@@ -33,3 +33,32 @@ def test_torchrun_s_child_failed_report_is_kept_back_to_the_end_and_dropped_afte
     assert out.getvalue() == "before\n"
     passthrough.close(failed_workers=not usage)
     assert out.getvalue() == ("before\nafter\n" if usage else f"before\n{CHILD_FAILED}after\n"), out.getvalue()
+
+
+def test_the_restart_loop_guard_counts_progress_through_states_in_host_memory(tmp_path):
+    """Launches that each crash but leave a newer state in host memory (checkpoint.memory_every) make progress:
+    only launches in a row that fail at the same step, in memory or on disk, end in 2."""
+    import json
+
+    from train.checkpoint.storage import memory_folder
+    from train.errors import EXIT_USAGE
+    from train.launch.verdict import History
+
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    disk = run / "checkpoints" / "step_00000004"
+    disk.mkdir(parents=True)
+    (disk / "manifest.json").write_text(json.dumps({"step": 4}))
+    folder = memory_folder(shm, run)
+    folder.mkdir(parents=True)
+    opts = {"max_failed_launches": "2", "nnodes": "1", "node_rank": None}
+
+    def launch(newer: int | None) -> int:
+        history = History(run, opts, folder)
+        if newer is not None:  # the launch crashed after a copy of step `newer`
+            (folder / f"share0.slot{newer % 2}.step_{newer:08d}.pt").touch()
+        return history.end(1, failed=True)
+
+    assert History(run, opts, folder).start == 4
+    assert [launch(6), launch(8), launch(10)] == [1, 1, 1]  # each advanced, in memory only
+    assert History(run, opts, folder).start == 10
+    assert [launch(None), launch(None)] == [1, EXIT_USAGE]  # two in a row at step 10

@@ -106,7 +106,7 @@ class History:
         found = complete_checkpoints(self.checkpoints)
         disk = int(NAME.match(found[0].name).group(1)) if found else 0
         held = memory_records(self.memory)[:1] if self.memory is not None else []
-        return max(disk, *(step for step, *_ in held))
+        return max([disk, *(step for step, *_ in held)])
 
     def _read(self) -> dict:
         try:
