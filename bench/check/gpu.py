@@ -23,6 +23,8 @@ smoke times nothing: all its stages and warm-ups run at once (53 s on 2 idle cor
   resnet50      ResNet-50, 224 px, bf16, channels_last through `python -m train`, without and with compile
   imagefolder   an ImageFolder of JPEGs made at start, through `python -m train` with the machine's cores: data wait
                 and images/s against the GPU's (the resnet50 stage's)
+  recovery      the one rank SIGKILLed mid-run under the launcher, compiled, checkpoint.memory_every=2: each phase from
+                the kill to the first step after torchrun's restart (bench/suite/recovery.py), and the steps lost
   memory        the peak memory of each run above
 Nothing is installed: it runs on the machine's own torch (2.11 or newer); a stage whose package is missing (pytest,
 transformers) says so and is skipped. `python -m bench all --gpu-json OUT_DIR/gpu_check.json` (`--gpu-only`: only
@@ -491,6 +493,17 @@ def stage_imagefolder(check: Check, out: Path) -> dict:
             **({"over_synthetic": fig["images_per_s"] / gpu} if gpu and fig["images_per_s"] else {})}
 
 
+def stage_recovery(check: Check, out: Path) -> dict:
+    """The one rank SIGKILLed mid-run under the launcher and restarted by torchrun, compiled (train.compile: its
+    restart finds the kernels of the first start in torch.compile's cache) and copying its state to host memory every
+    2 steps: each phase from the kill to the first step after the restart, and the steps lost
+    (bench/suite/recovery.py). The smoke: eager, on the CPU."""
+    from bench.suite import recovery
+
+    extra = [*QUIET, f"train.compile={not check.smoke}".lower()]
+    return recovery.once(out / "run", 1, "resnet18", check.smoke, extra, victim=0)
+
+
 def stage_memory(check: Check, out: Path) -> dict:
     peaks = {}
     for name, stage in check.figures["stages"].items():
@@ -511,7 +524,7 @@ AT_ONCE_PROCESSES = 10  # the most they run at a time: pytest, 2 x 2 runs of sto
 WARM = {"gpt": warm_gpt, "fsdp_vs_ddp": warm_fsdp_vs_ddp, "resnet50": warm_resnet50}
 STAGES = [("tests", stage_tests), ("gpt", stage_gpt), ("stop_relaunch", stage_stop_relaunch), ("hf", stage_hf),
           ("fsdp_vs_ddp", stage_fsdp_vs_ddp), ("resnet50", stage_resnet50), ("imagefolder", stage_imagefolder),
-          ("memory", stage_memory)]
+          ("recovery", stage_recovery), ("memory", stage_memory)]
 
 
 def run_stages(check: Check, chosen: list, warm: dict | None = None) -> None:

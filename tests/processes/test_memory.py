@@ -51,7 +51,7 @@ def test_a_killed_worker_resumes_from_host_memory_bitwise_and_loses_at_most_memo
     """SIGKILL of rank 1 mid-run, no disk checkpoint yet: torchrun's restart resumes from /dev/shm, at most 2 steps
     back, and the run ends bitwise as an uninterrupted one; its memory files were 0600 and are gone at the end."""
     ref, cut = uninterrupted, tmp_path / "cut"
-    proc = torchrun(cut, "checkpoint.memory_every=2", restarts=1)
+    proc = torchrun(cut, "checkpoint.memory_every=2", "log.wandb.mode=offline", restarts=1)  # the same W&B run goes on
     folder = memory_folder("/dev/shm", cut)
     try:
         wait_for(lambda: logged(cut) >= 7 or proc.poll() is not None, 180, "step 7")

@@ -300,6 +300,13 @@ class Checkpointer:
             self._removing.append(remove(p, later=True))
 
     # ---- resuming
+    @property
+    def resumed_own(self) -> bool:
+        """Whether this launch resumed this run's own state (its checkpoints, host memory), not another run's:
+        also the case of a resume=PATH run relaunched, which continues from its own checkpoints."""
+        path = self.resumed_from
+        return path is not None and (isinstance(path, MemoryState) or inside(path, self.cfg.run_dir))
+
     def resume(self, state: TrainState, decision: Decision) -> bool:
         """Load the first of the decision's candidates that loads on every rank into `state`; False when starting
         fresh. What it does in each case is RESUME_CASES (train/checkpoint/resume.py)."""

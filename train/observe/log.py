@@ -178,7 +178,7 @@ class RunLog:
         same W&B run continues), else a new one; the id goes into every later checkpoint."""
         if not self.is_main or cfg.log.wandb.mode == "disabled":
             return
-        run_id = ckpt.tracker_id if resumed and _own_checkpoint(cfg, ckpt.resumed_from) else None
+        run_id = ckpt.tracker_id if resumed and ckpt.resumed_own else None
         if resumed and ckpt.tracker_id and run_id is None:
             self.info(f"resumed from another run's checkpoint ({ckpt.resumed_from}): a new W&B run, not "
                       f"{ckpt.tracker_id}")
@@ -338,18 +338,6 @@ def hardware(device: torch.device) -> dict:
 def new_run_id() -> str:
     """A W&B run id, made here so that the checkpoint can carry it before W&B is even imported."""
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-
-
-def _own_checkpoint(cfg: Config, path: Path | None) -> bool:
-    """Whether the checkpoint resumed from is this run directory's (and not another run's): also the case
-    of a resume=PATH run relaunched, which continues from its own checkpoints."""
-    if path is None:
-        return False
-    try:
-        Path(path).resolve().relative_to(cfg.run_dir.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def wandb_credentials_problem(cfg: Config) -> str | None:
