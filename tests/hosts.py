@@ -45,6 +45,7 @@ class Host:
     name: str  # its hostname
     addr: str
     netns: str
+    own_memory: bool = False  # a /dev/shm of its own (a tmpfs): host memory no other host sees
     procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     @property
@@ -59,7 +60,12 @@ class Host:
             f.write(f"{addr}\t{name}\n")
 
     def argv(self, argv: list[str]) -> list[str]:
-        """argv run inside this host: its network namespace, its /etc/hosts, its hostname."""
+        """argv run inside this host: its network namespace, its /etc/hosts, its hostname (and with own_memory
+        its /dev/shm: what argv left there is printed when it ends, `/dev/shm at the end: NAMES`)."""
+        if self.own_memory:
+            return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+                    "sh", "-c", 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && hostname "$0" || exit 125; "$@"; '
+                    'rc=$?; echo "/dev/shm at the end: $(ls -A /dev/shm | tr "\n" " ")"; exit $rc', self.name, *argv]
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.name, *argv]
 
@@ -93,7 +99,7 @@ class Host:
 class Hosts:
     """N hosts on one bridge. Use make_hosts (the fixture), which removes them afterwards."""
 
-    def __init__(self, names: tuple[str, ...], introduce: bool = True):
+    def __init__(self, names: tuple[str, ...], introduce: bool = True, own_memory: bool = False):
         self.tag = secrets.token_hex(3)
         self.bridge = f"br{self.tag}"
         self.hosts: list[Host] = []
@@ -105,7 +111,7 @@ class Hosts:
             _ip("link", "set", self.bridge, "up")
             self._allow_bridge()
             for k, name in enumerate(names):
-                host = Host(name, f"{prefix}.{k + 1}", f"h{self.tag}-{k}")
+                host = Host(name, f"{prefix}.{k + 1}", f"h{self.tag}-{k}", own_memory)
                 self.hosts.append(host)
                 _ip("netns", "add", host.netns)
                 (NETNS_ETC / host.netns).mkdir(parents=True, exist_ok=True)
@@ -185,15 +191,15 @@ def _usable() -> str | None:
 
 
 def make_hosts_fixture():
-    """The make_hosts fixture (tests/conftest.py): make_hosts("n0", "n1", introduce=True) -> Hosts, removed
-    after the test whatever happens."""
+    """The make_hosts fixture (tests/conftest.py): make_hosts("n0", "n1", introduce=True, own_memory=False) ->
+    Hosts, removed after the test whatever happens."""
     made: list[Hosts] = []
 
-    def make(*names: str, introduce: bool = True) -> Hosts:
+    def make(*names: str, introduce: bool = True, own_memory: bool = False) -> Hosts:
         if why := _usable():
             required("real hosts (network namespaces)", why)
         try:
-            hosts = Hosts(names, introduce)
+            hosts = Hosts(names, introduce, own_memory)
         except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
             required("real hosts (network namespaces)", str(e))
         made.append(hosts)

@@ -417,6 +417,9 @@ class HostMemory:
         mine = None if here in candidate.holders.get(key, []) else candidate.holders[key][0]
         sent = self._sends(candidate)
         got = self._receive(candidate.step, key, mine, sent)
+        if got is not None:
+            self.log.info(f"{candidate}: this node lacks share {key}; a copy came from rank "
+                          f"{self.layout.node_ranks(mine)[0]}'s node")
         record, buf = got if got is not None else self._local(key, candidate.step)
         tensors, rest = tensor_state(state.model, state.optimizer, state.step)
         leaves = dict(_leaves(tensors))

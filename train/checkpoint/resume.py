@@ -90,7 +90,9 @@ RESUME_CASES = {
         "every rank loads its share from host memory (checkpoint.memory_every; a node that lost it is sent a peer's "
         "copy), bitwise as from disk; the disk's checkpoints are tried next if it does not load",
         ["processes/test_memory.py::test_a_killed_worker_resumes_from_host_memory_bitwise_and_loses_at_most_"
-         "memory_every_steps"]),
+         "memory_every_steps",
+         "systems/test_memory_hosts.py::test_a_host_lost_with_its_memory_and_replaced_resumes_from_the_peers_copy_"
+         "bitwise"]),
     "an incomplete memory state": (
         "a newer state some share of which no node holds (a copy cut short, a host lost without a peer's copy) is "
         "removed; the newest complete state, in memory or on disk, loads",
