@@ -16,7 +16,7 @@ from train.config import ConfigError
 from train.observe.metrics import StepMeter
 from train.tasks import shards
 from train.tasks.gpt import LanguageModel
-from train.tasks.gpt_model import GPT
+from train.tasks.gpt_model import GPT, preset
 
 TOL = 1e-5
 
@@ -250,3 +250,31 @@ def test_a_relaunch_keeps_the_runs_packing(tmp_path):
     assert launch({"pack": "auto"}, "task.pack=true") == ("auto", [])  # packs as the run does
     assert launch({}, "task.pack=true") == (True, [("task.pack", "data")])
     assert launch({"pack": "auto"}, "task.pack=false") == (False, [("task.pack", "data")])
+
+
+def test_documents_of_any_length_in_a_batch_have_their_logits_and_gradients_alone():
+    """The built-in GPT given document ids (the SDPA path, all windows' documents in a row): a document of one token,
+    one filling its window, windows of one and of several documents, the padding, the same id at the end of a window
+    and the start of the next: each document's logits, and the gradients of a loss over them, are those it has
+    alone."""
+    torch.manual_seed(0)
+    model = GPT(preset("nano", block_size=32))
+    lengths = [[32], [1, 7, 20, 4], [5, 1, 26], [3, 3, 3, 23]]  # each window's documents, in order
+    ids = [[0], [0, 1, 2, shards.PAD_DOC], [0, 1, 2], [0, 1, 2, 3]]
+    doc = torch.tensor([[d for d, n in zip(w, ns, strict=True) for _ in range(n)]
+                        for w, ns in zip(ids, lengths, strict=True)])
+    x = torch.randint(0, 256, doc.shape)
+    weight = torch.randn(*doc.shape, model.config.padded_vocab) * (doc != shards.PAD_DOC)[..., None]
+    logits = model(x, doc)
+    (logits * weight).sum().backward()
+    packed = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for row, w in enumerate(ids):
+        for d in w:
+            at = doc[row] == d
+            alone = model(x[row, at][None])[0]
+            torch.testing.assert_close(logits[row, at], alone, rtol=TOL, atol=TOL)
+            if d != shards.PAD_DOC:
+                (alone * weight[row, at]).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)

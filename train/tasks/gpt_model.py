@@ -66,18 +66,22 @@ class CausalSelfAttention(nn.Module):
         """mask: None (causal over the window), each window's document lengths (document_spans), or a FlexAttention
         BlockMask."""
         B, T, C = x.shape
+        nh, hs = self.n_head, C // self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, list):  # each document alone, causal: the work of its own length, not the window's
+            # All windows' documents in a row: (B * T, nh, hs) views of c_attn's output split at each document (views
+            # backward too: squeeze, not [0], whose backward fills zeros and copies). The CPU kernel writes each
+            # output as (L, nh, hs): one cat makes c_proj's input, no stack over the windows nor transposed copy.
+            sizes = [n for spans in mask for n in spans]
+            y = torch.cat([F.scaled_dot_product_attention(
+                qd.transpose(0, 1)[None], kd.transpose(0, 1)[None], vd.transpose(0, 1)[None], dropout_p=dropout,
+                is_causal=True).squeeze(0).transpose(0, 1)
+                for qd, kd, vd in zip(*(t.reshape(B * T, nh, hs).split(sizes) for t in (q, k, v)), strict=True)])
+            return self.resid_dropout(self.c_proj(y.view(B, T, C)))
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        elif isinstance(mask, list):  # each document alone, causal: the work of its own length, not the window's
-            # unbind and split, not indexing: their backward is one stack and one cat, where each index's would fill
-            # a zero tensor of the whole batch's size
-            y = torch.stack([torch.cat([F.scaled_dot_product_attention(
-                qd[None], kd[None], vd[None], dropout_p=dropout, is_causal=True)[0]
-                for qd, kd, vd in zip(qb.split(sizes, 1), kb.split(sizes, 1), vb.split(sizes, 1), strict=True)], dim=1)
-                for qb, kb, vb, sizes in zip(q.unbind(0), k.unbind(0), v.unbind(0), mask, strict=True)])
         else:
             from torch.nn.attention.flex_attention import flex_attention
 
