@@ -73,33 +73,38 @@ def write_data(folder: Path, lengths: list[int], seed: int = 0) -> tuple[Path, P
     return chat, text
 
 
-def cpu_rate(ds, seq_len: int, steps: int, seed: int = 0) -> float:
-    """Counted targets per CPU-second of a training step (forward, backward, AdamW) of the tiny GPT on batches of 4
-    windows spread over the data set, in this process on one thread: the work, which a busy machine does not change
-    (its wall time it does)."""
+def cpu_rates(sets: dict, seq_len: int, steps: int, seed: int = 0) -> dict:
+    """{pack: counted targets per CPU-second of a training step} (forward, backward, AdamW) of the tiny GPT on batches
+    of 4 windows spread over each data set, in this process on one thread: the work, which a busy machine does not
+    change (its wall time it does). Packed and unpacked steps alternate, their order too: a machine whose speed drifts
+    slows both alike."""
     import torch
 
     from train.tasks import shards
     from train.tasks.gpt_model import GPT, preset
 
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    model = GPT(preset("tiny", block_size=seq_len))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    stride = max(1, len(ds) // (4 * steps))
-    counted, cpu = 0, 0.0
+    trained = {}
+    for pack in sets:
+        torch.manual_seed(seed)
+        model = GPT(preset("tiny", block_size=seq_len))
+        trained[pack] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    counted, cpu = dict.fromkeys(sets, 0), dict.fromkeys(sets, 0.0)
     for k in range(steps + 1):  # the first: a warm-up, not counted
-        x, y, doc = (torch.stack(t) for t in zip(*(ds[(4 * k + j) * stride % len(ds)] for j in range(4)),
-                                                 strict=True))
-        start = time.process_time()
-        loss = shards.lm_loss(model(x, doc) if ds.pack else model(x), y, summed=True)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if k:
-            cpu += time.process_time() - start
-            counted += int((y != shards.IGNORE).sum())
-    return counted / cpu
+        for pack in (list(sets) if k % 2 else list(sets)[::-1]):
+            ds, (model, opt) = sets[pack], trained[pack]
+            stride = max(1, len(ds) // (4 * steps))
+            x, y, doc = (torch.stack(t) for t in zip(*(ds[(4 * k + j) * stride % len(ds)] for j in range(4)),
+                                                     strict=True))
+            start = time.process_time()
+            loss = shards.lm_loss(model(x, doc) if ds.pack else model(x), y, summed=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if k:
+                cpu[pack] += time.process_time() - start
+                counted[pack] += int((y != shards.IGNORE).sum())
+    return {pack: counted[pack] / cpu[pack] for pack in sets}
 
 
 def windows_per_s(run_dir: Path) -> tuple[float, float | None]:
@@ -133,13 +138,14 @@ def main() -> None:
                   f"train.steps={args.steps}", f"train.log_every={max(1, args.steps // 4)}", "train.eval_every=0",
                   "checkpoint.every=0", "data.num_workers=0", *SMOKE_QUIET]
         figures: dict = {}
-        counted, ratios = {}, []
+        counted, ratios, sets = {}, [], {}
         for pack in (True, False):
-            ds = shards.MaskedWindows([shards.open_shard(chat / "c_train_000000.bin")], T, pack=pack)
+            sets[pack] = ds = shards.MaskedWindows([shards.open_shard(chat / "c_train_000000.bin")], T, pack=pack)
             counted[pack] = sum(int((ds[i][1] != shards.IGNORE).sum()) for i in range(len(ds))) / len(ds)
             name = "packed" if pack else "unpacked"
-            figures |= {f"{name}_windows": len(ds), f"{name}_padding_share": ds.padding_share(),
-                        f"{name}_counted_tokens_per_cpu_s": cpu_rate(ds, T, 2 if args.smoke else 6)}
+            figures |= {f"{name}_windows": len(ds), f"{name}_padding_share": ds.padding_share()}
+        for pack, rate in cpu_rates(sets, T, 2 if args.smoke else 6).items():
+            figures[f"{'packed' if pack else 'unpacked'}_counted_tokens_per_cpu_s"] = rate
         for r in range(args.rounds):  # side by side: this machine's speed drifts between runs
             speed = {}
             for pack in (True, False):
