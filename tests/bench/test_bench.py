@@ -93,7 +93,7 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     check = json.loads((out / "gpu_check.json").read_text())
     stages = check["stages"]
     assert list(stages) == ["tests", "gpt", "stop_relaunch", "hf", "fsdp_vs_ddp", "resnet50", "imagefolder",
-                            "memory"]
+                            "recovery", "memory"]
     failed = {k: v.get("error") or v.get("skipped") for k, v in stages.items() if "error" in v or "skipped" in v}
     assert not failed, failed
     assert stages["tests"]["tests"] and stages["tests"]["exit"] == 0
@@ -107,6 +107,9 @@ def test_make_gpu_check_smoke_runs_every_stage_and_writes_its_figures(tmp_path):
     hooks = lm["lm_fsdp_trace"]["host_labels"]
     assert hooks["FSDP::pre_forward"]["calls_per_step"] >= 3 and hooks["FSDP::pre_forward"]["ms_per_step"] > 0, hooks
     assert stages["resnet50"]["compile"]["images_per_s"] > 0 and stages["imagefolder"]["images_per_s"] > 0
+    # the one rank killed and restarted from host memory: each phase timed, at most memory_every=2 steps lost
+    recovery = stages["recovery"]
+    assert recovery["start-up"] > 0 and recovery["first step"] > 0 and 0 <= recovery["steps lost"] <= 2, recovery
     assert check["machine"]["torch"] and check["machine"]["commit"]  # BENCHMARKS.md names what it measured
     # each python -m train run's timeline: where a stage's seconds go (start, first step line, steps, the end)
     run = check["runs"]["gpt/trainer"]
