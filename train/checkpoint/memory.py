@@ -28,6 +28,8 @@ import os
 import queue
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,37 +364,43 @@ class HostMemory:
         pairs = [(s, d, k) for s, d, k in self.layout.peer_copies() if self.rank in (s, d)]
         if not pairs:
             return
-        sizes = {}
-        ops = []
-        for src, dst, key in pairs:
-            if src == self.rank:
-                buf, rec = payload
-                sizes[key] = torch.tensor([buf.numel(), len(rec)], dtype=torch.int64)
-                ops.append(dist.P2POp(dist.isend, sizes[key], dst, group=self._group))
-            else:
-                sizes[key] = torch.zeros(2, dtype=torch.int64)
-                ops.append(dist.P2POp(dist.irecv, sizes[key], src, group=self._group))
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        ops, received = [], {}
-        for src, dst, key in pairs:
-            if src == self.rank:
-                buf, rec = payload
-                ops += [dist.P2POp(dist.isend, buf, dst, group=self._group),
-                        dist.P2POp(dist.isend, _as_tensor(rec), dst, group=self._group)]
-            else:
-                nbytes, nrec = (int(x) for x in sizes[key])
-                buf, slot = self._slot_buffer(key, nbytes)
-                rec = torch.empty(nrec, dtype=torch.uint8)
-                received[key] = (slot, rec)
-                ops += [dist.P2POp(dist.irecv, buf, src, group=self._group),
-                        dist.P2POp(dist.irecv, rec, src, group=self._group)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        for key, (slot, rec) in received.items():
-            record = _loads(rec)
+        slots: dict[int, int] = {}
+
+        def slot_buffer(nbytes: int, key: int) -> torch.Tensor:
+            buf, slots[key] = self._slot_buffer(key, nbytes)
+            return buf
+
+        sends = [(dst, *payload) for src, dst, _ in pairs if src == self.rank]
+        recvs = [(src, lambda n, key=key: slot_buffer(n, key)) for src, dst, key in pairs if dst == self.rank]
+        keys = [key for _, dst, key in pairs if dst == self.rank]
+        for key, (_, record) in zip(keys, self._exchange(sends, recvs), strict=True):
             if record.get("step") == step:
-                self._publish(key, slot, record)
+                self._publish(key, slots[key], record)
+
+    def _exchange(self, sends: list[tuple[int, torch.Tensor, bytes]],
+                  recvs: list[tuple[int, Callable[[int], torch.Tensor]]]) -> list[tuple[torch.Tensor, dict]]:
+        """Shares between ranks (gloo): each send is (to rank, the share's bytes, its record as saved), each receive
+        (from rank, the buffer of n bytes to receive into). Their sizes first, then the bytes; the received
+        (bytes, record), in the order of `recvs`."""
+        def run(ops: list) -> None:
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        sizes = [torch.zeros(2, dtype=torch.int64) for _ in recvs]
+        run([dist.P2POp(dist.isend, torch.tensor([buf.numel(), len(rec)], dtype=torch.int64), dst, group=self._group)
+             for dst, buf, rec in sends]
+            + [dist.P2POp(dist.irecv, n, src, group=self._group) for (src, _), n in zip(recvs, sizes, strict=True)])
+        got = [(into(int(n[0])), torch.empty(int(n[1]), dtype=torch.uint8))
+               for (_, into), n in zip(recvs, sizes, strict=True)]
+        ops = []
+        for dst, buf, rec in sends:
+            ops += [dist.P2POp(dist.isend, buf.contiguous(), dst, group=self._group),
+                    dist.P2POp(dist.isend, _as_tensor(rec), dst, group=self._group)]
+        for (src, _), (buf, rec) in zip(recvs, got, strict=True):
+            ops += [dist.P2POp(dist.irecv, buf, src, group=self._group),
+                    dist.P2POp(dist.irecv, rec, src, group=self._group)]
+        run(ops)
+        return [(buf, _loads(rec)) for buf, rec in got]
 
     def _wait_copied(self) -> None:
         if self._copied is not None:
@@ -456,35 +464,14 @@ class HostMemory:
         """The shares sent between nodes for a load (a host replaced): this rank's, if its node lacks it."""
         if self._group is None:
             return None
-        src = None if src_node is None else self.layout.node_ranks(src_node)[0]
-        ops, outgoing, sizes = [], [], None
+        outgoing = []
         for dst, k in sends:
             record, buf = self._local(k, step)
-            rec = _as_tensor(_dumps(record))
-            outgoing.append((dst, buf, rec))
-            ops.append(dist.P2POp(dist.isend, torch.tensor([buf.numel(), rec.numel()], dtype=torch.int64), dst,
-                                  group=self._group))
-        if src is not None:
-            sizes = torch.zeros(2, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.irecv, sizes, src, group=self._group))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        ops, got = [], None
-        for dst, buf, rec in outgoing:
-            ops += [dist.P2POp(dist.isend, buf.contiguous(), dst, group=self._group),
-                    dist.P2POp(dist.isend, rec, dst, group=self._group)]
-        if src is not None:
-            buf, rec = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
-            ops += [dist.P2POp(dist.irecv, buf, src, group=self._group),
-                    dist.P2POp(dist.irecv, rec, src, group=self._group)]
-            got = (buf, rec)
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        if got is None:
-            return None
-        return _loads(got[1]), got[0]
+            outgoing.append((dst, buf, _dumps(record)))
+        recvs = [] if src_node is None else [(self.layout.node_ranks(src_node)[0],
+                                              lambda n: torch.empty(n, dtype=torch.uint8))]
+        got = self._exchange(outgoing, recvs)
+        return (got[0][1], got[0][0]) if got else None
 
     # ---- housekeeping
     def keep_up_to(self, step: int | None) -> None:
@@ -529,8 +516,6 @@ def _remove_stale(parent: Path, ours: Path) -> None:
 
 
 def _age(path: Path) -> float:
-    import time
-
     try:
         return time.time() - path.stat().st_mtime
     except OSError:
