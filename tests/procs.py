@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tests.conftest import PY, ROOT, TINY, clean_env, metrics, pacing
 from train.launch.command import parse_args, resolve, torchrun_command
+from train.startup import STANDBY_VAR
 
 
 def launch(run_dir: Path, *overrides: str, launcher=("--nproc-per-node=2",), env: dict | None = None,
@@ -60,6 +61,24 @@ def environ(pid: int) -> dict[str, str]:
         return {}
 
 
+def rank_of(pid: int) -> int | None:
+    """The rank of a training process: its RANK, or the rank in the name of a standby that took its round
+    (train/launch/standby.py: its environment in /proc is the one it started with, without the round's variables);
+    None for another process, a standby still waiting among them."""
+    env = environ(pid)
+    if STANDBY_VAR in env:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return None
+        return int(name[5:]) if name.startswith("rank ") and name[5:].isdigit() else None
+    return int(env["RANK"]) if env.get("RANK", "").isdigit() else None
+
+
+def is_standby(pid: int) -> bool:
+    return STANDBY_VAR in environ(pid)
+
+
 def torchrun(launcher_pid: int) -> int:
     """The torchrun agent under a launcher (not another, short-lived child of it)."""
     def find():
@@ -79,8 +98,8 @@ def workers(launcher_pid: int) -> dict[int, int]:
     found = {}
     for agent in children(launcher_pid):
         for pid in children(agent):  # a short-lived child of the launcher has no RANK in its environment
-            if "RANK" in (env := environ(pid)):
-                found[int(env["RANK"])] = pid
+            if (rank := rank_of(pid)) is not None:
+                found[rank] = pid
     return found
 
 
@@ -151,9 +170,9 @@ def rank_processes(pid: int) -> dict[int, int]:
     found, todo = {}, [pid]
     while todo:
         for child in children(todo.pop()):
-            if "RANK" in (env := environ(child)):
-                found[int(env["RANK"])] = child
-            else:
+            if (rank := rank_of(child)) is not None:
+                found[rank] = child
+            elif not is_standby(child):
                 todo.append(child)
     return found
 

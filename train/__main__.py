@@ -17,7 +17,7 @@ from pathlib import Path
 from train import config
 from train.config import parse_args
 from train.errors import EXIT_USAGE, LAUNCH_ID_VAR, ConfigError, say
-from train.startup import frozen_imports
+from train.startup import STANDBY_VAR, frozen_imports, stand_by
 from train.stops import markers, signals
 from train.supported import check_torch
 
@@ -114,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
+def _preload() -> None:
+    """What a worker imports before it trains (torch, the task's module, the trainer), for a standby to have done
+    before its round (train/launch/standby.py)."""
+    args = parse_args(sys.argv[1:])
+    config.load(args.config, args.overrides)
+    with frozen_imports():
+        from train import trainer  # noqa: F401
+
+
 if __name__ == "__main__":
+    if STANDBY_VAR in os.environ:
+        stand_by(_preload)
     try:
         code = main()
     except (Exception, KeyboardInterrupt):

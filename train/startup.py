@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -28,3 +31,49 @@ def frozen_imports() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+STANDBY_VAR = "TRAIN_STANDBY"  # set by torchrun's process to the pipe a standby reads its round from
+
+
+def _name(name: str) -> None:
+    """This process's name as `ps` and top show it (its main thread's, 15 bytes at most); best effort."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def stand_by(preload: Callable[[], None]) -> None:
+    """A standby (train/launch/standby.py): run `preload` (the imports) on a thread of the lowest priority, wait for
+    the round's environment on the pipe, take it, and return once the imports are done, to start as a worker
+    would. Exits at once, quietly, where the pipe ends with no round (torchrun ended, or it started a worker
+    afresh)."""
+    fd = int(os.environ.pop(STANDBY_VAR))
+    _name("train-standby")
+
+    def low_priority_preload() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone (Linux)
+        except OSError:
+            pass
+        try:
+            preload()
+        except BaseException:  # noqa: BLE001  the worker meets the same error again, and says it
+            pass
+
+    thread = threading.Thread(target=low_priority_preload, name="standby-preload", daemon=True)
+    thread.start()
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    if not chunks:
+        os._exit(0)
+    env = json.loads(b"".join(chunks))
+    os.environ.clear()
+    os.environ.update(env)
+    thread.join()
+    _name(f"rank {env.get('RANK', '?')}")

@@ -8,7 +8,8 @@ passes another training argument (repeatable: --set checkpoint.memory_every=0 me
 Runs the shared launcher (torchrun, gloo on CPU, --max-restarts=1), kills rank 1 mid-run, and splits
 the time until the restarted group's first step into:
     detection   kill -> torchrun's agent notices and starts stopping the group
-    restart     -> the new worker processes exist (the rest of the group stopped, rendezvous done)
+    restart     -> the new workers exist, or the standbys have taken their round (the rest of the group
+                stopped, rendezvous done)
     start-up    -> the checkpoint starts loading (imports, process group, data, model)
     load        checkpoint read, verified and loaded
     first step  -> the first optimizer step after the restart is done (on rank 0 this includes W&B's
@@ -44,14 +45,17 @@ def UNIT(key: str) -> str:  # noqa: N802
 
 
 def workers(run_dir: Path) -> set[int]:
+    """The run's training processes, less the standbys still waiting for a round (train/launch/standby.py)."""
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if f"run.dir={run_dir}".encode() in cmd and b"-m" in cmd and cmd[cmd.index(b"-m") + 1] == b"train" \
+                    and (b"TRAIN_STANDBY=" not in (proc / "environ").read_bytes()
+                         or (proc / "comm").read_text().startswith("rank ")):
+                pids.add(int(proc.name))
         except OSError:
             continue
-        if f"run.dir={run_dir}".encode() in cmd and b"-m" in cmd and cmd[cmd.index(b"-m") + 1] == b"train":
-            pids.add(int(proc.name))
     return pids
 
 

@@ -18,7 +18,19 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PACED, PY, ROOT, TINY, after_import, clean_env, copy_run, latest_state, summary
-from tests.procs import children, finish, launch, logged_steps, torchrun, wait_for, workers
+from tests.procs import (
+    children,
+    descendants,
+    environ,
+    finish,
+    is_standby,
+    kill_family,
+    launch,
+    logged_steps,
+    torchrun,
+    wait_for,
+    workers,
+)
 from tests.small_task import gate_reached
 from train.launch.forwarding import alive
 from train.launch.passthrough import Passthrough
@@ -553,7 +565,10 @@ def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_p
     crash (1), not round 1's stop (75: the scheduler would requeue it for ever without counting). Nor is
     the STOPPED marker of another launch taken for this one's, though it is dated in the future (another
     node's clock ahead of this one's)."""
-    proc, second = _round_one(tmp_path, signal.SIGTERM)
+    # LAUNCH_STANDBY=0: round 2's workers are started afresh, no standby beside either round
+    proc, second = _round_one(tmp_path, signal.SIGTERM, env=clean_env(LAUNCH_STANDBY="0"))
+    assert all(environ(p).get("TORCHELASTIC_RESTART_COUNT") == "1" for p in second.values()), second
+    assert not [p for p in children(torchrun(proc.pid)) if is_standby(p)]
     stopped = json.loads((tmp_path / "STOPPED").read_text())["step"]
     wait_for(lambda: logged_steps(tmp_path).count(stopped + 2) == 1, 120, "a step of round 2")
     stale = {"step": stopped, "signal": "SIGTERM", "time": time.time() + 3600, "launch_id": "an-earlier-launch"}
@@ -570,13 +585,50 @@ def test_a_crash_after_torchrun_restarted_a_stopped_round_is_exit_1_not_75(tmp_p
     assert re.fullmatch(crash, last), err[-3000:]
 
 
+def test_torchrun_s_standbys_end_when_its_process_is_killed(tmp_path):
+    """With a restart left, torchrun's process keeps a standby a local rank, named train-standby for `ps`
+    (train/launch/standby.py). Killed outright (the OOM killer, a SIGKILL), it cannot end them: they see its pipe
+    close, and exit."""
+    proc = launch(tmp_path, "train.steps=400", launcher=("--nproc-per-node=2", "--max-restarts=1"))
+    family = []
+    try:
+        agent = torchrun(proc.pid)
+        standbys = wait_for(lambda: s if len(s := [p for p in children(agent) if is_standby(p)]) == 2 else None, 120,
+                            "two standbys")
+        wait_for(lambda: all(_name(p) == "train-standby" for p in standbys), 30, "the standbys' names")
+        family = descendants(agent)  # the workers outlive it: ended below
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: not [p for p in standbys if _name(p) == "train-standby"], 30, "the standbys' end")
+    finally:
+        kill_family(proc.pid)
+        for p in family:
+            kill_family(p)
+        finish(proc, 60)
+
+
+def _name(pid: int) -> str:
+    """A process's name (its comm), "" once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return "" if stat.rsplit(")", 1)[1].split()[0] in "ZX" else stat[stat.index("(") + 1:stat.rindex(")")]
+
+
 def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_path):
     """Round 1 trained (its STARTED marker) and crashed; round 2's workers are still starting (held there)
     when the launcher is stopped: nothing was trained since the last checkpoint, so 75, not 1 (`raise
     STOP_TIMEOUT`, read from round 1's marker)."""
-    env = after_import(tmp_path, "train", "import os, time\n"  # before any line of train/__main__.py
-                       "if os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n"
-                       "    time.sleep(300)  # round 2 never gets past its start-up")
+    # Round 2 never gets past its start-up: held when it calls the trainer (a standby, which imported the trainer
+    # before its round, reads the round's variables only then)
+    env = after_import(tmp_path, "train.trainer", """
+import os, time
+run = module.run
+def held(*args, **kwargs):
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+        time.sleep(300)
+    return run(*args, **kwargs)
+module.run = held""")
     run_dir = tmp_path / "run"
     proc, second = _round_one(run_dir, signal.SIGKILL, "checkpoint.every=1", env=env)
     proc.send_signal(signal.SIGTERM)

@@ -62,3 +62,22 @@ def test_the_restart_loop_guard_counts_progress_through_states_in_host_memory(tm
     assert [launch(6), launch(8), launch(10)] == [1, 1, 1]  # each advanced, in memory only
     assert History(run, opts, folder).start == 10
     assert [launch(None), launch(None)] == [1, EXIT_USAGE]  # two in a row at step 10
+
+
+def test_a_standby_serves_the_next_round_only_where_torchrun_s_round_variables_alone_differ():
+    """train/launch/standby.py: a standby imported torch under one round's environment; it may take the next
+    round's only if nothing else changed (a variable a module reads at import would be stale), and none is kept
+    for a round after the last restart torchrun allows."""
+    from train.launch.standby import lasting, restarts_left
+
+    round_0 = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2",
+               "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2",
+               "TORCHELASTIC_ERROR_FILE": "/tmp/attempt_0/1/error.json"}
+    round_1 = round_0 | {"RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "29611", "TORCHELASTIC_RESTART_COUNT": "1",
+                         "TORCHELASTIC_ERROR_FILE": "/tmp/attempt_1/1/error.json"}
+    assert lasting(round_0) == lasting(round_1) == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "LOCAL_RANK": "1"}
+    assert lasting(round_1 | {"OMP_NUM_THREADS": "4"}) != lasting(round_0)
+    assert lasting(round_1 | {"LOCAL_RANK": "0"}) != lasting(round_0)
+    assert restarts_left(round_0) and restarts_left(round_1)
+    assert not restarts_left(round_1 | {"TORCHELASTIC_RESTART_COUNT": "2"})
+    assert not restarts_left({"PATH": "/bin"})  # not under torchrun's agent

@@ -29,7 +29,7 @@ from tests.conftest import (
     train_losses,
 )
 from tests.multinode import free_port
-from tests.procs import children, finish, kill_family, launcher_command, wait_for
+from tests.procs import children, finish, is_standby, kill_family, launcher_command, rank_of, torchrun, wait_for
 
 # Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
 LONG = [*TINY, *PACED, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: acted on mid-run
@@ -52,12 +52,12 @@ def workers(run_dir: Path) -> dict[int, int]:
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if b"train" in cmd and f"run.dir={run_dir}".encode() in cmd and "RANK" in env and b"-m" in cmd:
+        if b"train" in cmd and f"run.dir={run_dir}".encode() in cmd and b"-m" in cmd \
+                and (rank := rank_of(int(proc.name))) is not None:  # a standby that took a round too
             if cmd[cmd.index(b"-m") + 1] == b"train" and _state(proc) not in "ZX":
-                found.setdefault(int(env["RANK"]), []).append(int(proc.name))
+                found.setdefault(rank, []).append(int(proc.name))
     # A process forked from a rank has its command line and environment: the rank is the parent. (DataLoader
     # workers are not: they are forks of a fork server, `python -c 'from multiprocessing.forkserver ...'`.)
     return {rank: next(p for p in pids if _ppid(p) not in pids) for rank, pids in found.items()}
@@ -86,14 +86,40 @@ def reached(run_dir: Path, step: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
 
 
+def _standbys(agent: int) -> list[int]:
+    """torchrun's standbys still waiting for a round (train/launch/standby.py): one a local rank."""
+    return [p for p in children(agent) if is_standby(p) and rank_of(p) is None]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return _state(Path(f"/proc/{pid}")) in "ZX"
+    except OSError:
+        return True
+
+
 def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_path, finished_16_steps):
+    """The restart's workers are the standbys that waited beside round 1 (no import on the way back); round 2's
+    own standbys (a restart is left) end with torchrun; the run ends as one never killed, bit for bit."""
     ref, hit = finished_16_steps, tmp_path / "hit"  # LONG's run uninterrupted
     proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
     rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
+    agent = torchrun(proc.pid)
+    standbys = wait_for(lambda: s if len(s := _standbys(agent)) == 2 else None, 60, "two standbys")
     wait_for(lambda: reached(hit, 6), 120, "step 6")  # step 5's save is over; step 10 is 4 paced steps away
     os.kill(rank1, signal.SIGKILL)
-    rc, out, err = finish(proc)
-    assert rc == 0, err[-3000:]
+    second = wait_for(lambda: w if len(w := workers(hit)) == 2 and rank1 not in w.values() else None, 120, "round 2")
+    assert sorted(second.values()) == sorted(standbys), (second, standbys)
+    spare = wait_for(lambda: s if len(s := _standbys(agent)) == 2 else None, 60, "round 2's standbys")
+    try:
+        out, err = proc.communicate(timeout=240)  # not finish(), which would end what the launch left itself
+    finally:
+        left = [p for p in spare if not _gone(p)]
+        kill_family(proc.pid)
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert not left, f"round 2's standbys outlived torchrun: {left}"
     assert "resumed from" in out and "at step 5" in out  # the latest checkpoint before the kill
     assert_same_state(latest_state(ref), latest_state(hit))
     assert train_losses(ref) == train_losses(hit)

@@ -38,8 +38,14 @@ def main(argv: list[str]) -> int | None:
             return EXIT_USAGE
         from torch.distributed.run import main as torchrun
 
+        from train.launch import standby
+
         argv = apply_stop_budget(argv)
-    return torchrun(argv)
+        standby.install()
+    try:
+        return torchrun(argv)
+    finally:
+        standby.end_all()
 
 
 def apply_stop_budget(argv: list[str]) -> list[str]:
