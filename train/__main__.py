@@ -119,8 +119,7 @@ def _preload() -> None:
     before its round (train/launch/standby.py)."""
     args = parse_args(sys.argv[1:])
     config.load(args.config, args.overrides)
-    with frozen_imports():
-        from train import trainer  # noqa: F401
+    from train import trainer  # noqa: F401
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -34,6 +36,44 @@ def frozen_imports() -> Iterator[None]:
 
 
 STANDBY_VAR = "TRAIN_STANDBY"  # set by torchrun's process to the pipe a standby reads its round from
+# The file where a worker lists the modules it imported, for the standby of its local rank to import them too
+IMPORTS_VAR = "TRAIN_STANDBY_IMPORTS"
+
+
+def note_imports() -> None:
+    """A worker beside a standby lists the modules it has imported (called after its first step: by then the task's
+    model, the optimizer's and W&B's imports are done too, which the trainer's module does not import), in the
+    order they came; its standby imports them before its round. Best effort."""
+    if not (path := os.environ.get(IMPORTS_VAR)):
+        return
+    names = [name for name in list(sys.modules) if not name.startswith("__")]
+    part = f"{path}.{os.getpid()}"
+    try:
+        with open(part, "w") as f:
+            f.write("\n".join(names))
+        os.replace(part, path)
+    except OSError:
+        pass
+
+
+def _import_listed(path: str, assigned: threading.Event) -> None:
+    """The modules a worker of the last round listed (note_imports), once the list is there, until the round comes:
+    then the worker imports what is left as it needs it."""
+    while not os.path.exists(path):
+        if assigned.wait(0.2):
+            return
+    try:
+        names = open(path).read().split()
+    except OSError:
+        return
+    for name in names:
+        if assigned.is_set():
+            return
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001  a module loaded from a path, an alias: the worker loads it its way
+                pass
 
 
 def _name(name: str) -> None:
@@ -52,6 +92,8 @@ def stand_by(preload: Callable[[], None]) -> None:
     would. Exits at once, quietly, where the pipe ends with no round (torchrun ended, or it started a worker
     afresh)."""
     fd = int(os.environ.pop(STANDBY_VAR))
+    listed = os.environ.get(IMPORTS_VAR)
+    assigned = threading.Event()
     _name("train-standby")
 
     def low_priority_preload() -> None:
@@ -59,10 +101,13 @@ def stand_by(preload: Callable[[], None]) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone (Linux)
         except OSError:
             pass
-        try:
-            preload()
-        except BaseException:  # noqa: BLE001  the worker meets the same error again, and says it
-            pass
+        with frozen_imports():
+            try:
+                preload()
+            except BaseException:  # noqa: BLE001  the worker meets the same error again, and says it
+                return
+            if listed:
+                _import_listed(listed, assigned)
 
     thread = threading.Thread(target=low_priority_preload, name="standby-preload", daemon=True)
     thread.start()
@@ -73,7 +118,8 @@ def stand_by(preload: Callable[[], None]) -> None:
     if not chunks:
         os._exit(0)
     env = json.loads(b"".join(chunks))
+    assigned.set()
+    thread.join()  # the trainer's imports done; no import under way while the environment changes
     os.environ.clear()
     os.environ.update(env)
-    thread.join()
     _name(f"rank {env.get('RANK', '?')}")

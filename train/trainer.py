@@ -36,6 +36,7 @@ from train.observe.log import RunLog, check_tracker
 from train.observe.metrics import StepMeter
 from train.parallel import data, distributed, hang, host_memory, wrapping
 from train.parallel.data import to_device
+from train.startup import note_imports
 from train.stops import markers
 from train.stops.markers import Markers
 from train.stops.signals import StopRequest
@@ -235,6 +236,8 @@ def fit(t: Training, ckpt: Checkpointer, meter: StepMeter) -> dict | None:
             state.window_steps += 1
         meter.step_done()
         step = state.step
+        if step == start_step + 1:
+            note_imports()  # for a standby beside this worker (train/launch/standby.py)
         log.advance(step)
         if logs := log.due(step):
             _log_window(t, ckpt, meter)

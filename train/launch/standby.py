@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
-from train.startup import STANDBY_VAR
+from train.startup import IMPORTS_VAR, STANDBY_VAR
 
 SWITCH_VAR = "LAUNCH_STANDBY"
 
@@ -86,6 +88,7 @@ class Standby:
 
 
 _standbys: dict[int, Standby] = {}
+_folders: list[str] = []
 
 
 def install() -> bool:
@@ -105,6 +108,7 @@ def install() -> bool:
     def popen_from_standby(handler, args: tuple, env: dict[str, str]) -> subprocess.Popen:
         to_files = getattr(handler, "_stdout", None) is not None or getattr(handler, "_stderr", None) is not None
         rank = handler.local_rank_id
+        env = env | {IMPORTS_VAR: os.path.join(folder, f"imports-{rank}")}  # the worker's list, for its standby
         standby = _standbys.pop(rank, None)
         proc = standby.take(args, env) if standby is not None and not to_files else None
         if proc is None:
@@ -118,11 +122,15 @@ def install() -> bool:
                 pass  # the next round starts its workers afresh
         return proc
 
+    folder = tempfile.mkdtemp(prefix="train-standby-")
+    _folders.append(folder)
     handler_class._popen = popen_from_standby
     return True
 
 
 def end_all() -> None:
-    """The standbys left when torchrun ends."""
+    """The standbys left when torchrun ends, and their folder."""
     while _standbys:
         _standbys.popitem()[1].end()
+    while _folders:
+        shutil.rmtree(_folders.pop(), ignore_errors=True)

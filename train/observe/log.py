@@ -19,6 +19,7 @@ import socket
 import string
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -53,7 +54,8 @@ class RunLog:
         self.lcfg = cfg.log if cfg is not None else LogConfig()
         self.total_steps = cfg.train.steps if cfg is not None else None
         self.every = cfg.train.log_every if cfg is not None else 1  # a log step every train.log_every steps
-        self.tracker: Tracker | None = None
+        self._tracker: Tracker | None = None
+        self._starting: threading.Thread | None = None  # W&B's start, under way
         self.bar = None
         self._windows, self._quiet_until = 0, 0
         make_run_dir(run_dir)
@@ -183,9 +185,28 @@ class RunLog:
             self.info(f"resumed from another run's checkpoint ({ckpt.resumed_from}): a new W&B run, not "
                       f"{ckpt.tracker_id}")
         run_id = run_id or new_run_id()
-        self.tracker = Tracker.start(cfg, run_id, self)
-        if self.tracker is not None:
-            ckpt.tracker_id = run_id
+        ckpt.tracker_id = run_id  # into the checkpoints from now on (None again if W&B does not start)
+
+        def start() -> None:
+            self._tracker = Tracker.start(cfg, run_id, self)
+            if self._tracker is None:
+                ckpt.tracker_id = None
+
+        # W&B starts (about a second: its import, its service process) while the first step runs; the first use of
+        # the tracker waits for it
+        self._starting = threading.Thread(target=start, name="wandb-start", daemon=True)
+        self._starting.start()
+
+    @property
+    def tracker(self) -> Tracker | None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        return self._tracker
+
+    @tracker.setter
+    def tracker(self, tracker: Tracker | None) -> None:
+        self._tracker = tracker
 
     def finish(self, summary: dict) -> None:
         """The end of a complete run: summary.json, the tracker's summary, report.png and report.txt."""
