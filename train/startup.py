@@ -8,6 +8,10 @@ while it runs, then what it imported is frozen (gc.freeze: never walked again, a
 built) and collection is turned back on. The few objects that the imports leave unreachable are frozen with the
 rest: a little memory, once per process.
 
+A standby (train/launch/standby.py) is a worker that does those imports before torchrun restarts the group, then
+waits for its round: stand_by() here, and note_imports(), the list of what a worker imported that its standby imports
+too.
+
 Standard library only: it runs before torch is imported.
 """
 

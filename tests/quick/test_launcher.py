@@ -81,3 +81,31 @@ def test_a_standby_serves_the_next_round_only_where_torchrun_s_round_variables_a
     assert restarts_left(round_0) and restarts_left(round_1)
     assert not restarts_left(round_1 | {"TORCHELASTIC_RESTART_COUNT": "2"})
     assert not restarts_left({"PATH": "/bin"})  # not under torchrun's agent
+
+
+def test_a_standby_imports_what_the_last_round_s_worker_listed_and_stops_when_its_round_comes(tmp_path, monkeypatch):
+    """train/startup.py: a worker lists its modules after its first step (note_imports); the standby imports those
+    it lacks, in order (a task's model library: torchvision, transformers), skipping what it cannot, and stops as
+    soon as its round comes (the worker imports the rest as it needs it)."""
+    import sys
+    import threading
+
+    from train import startup
+
+    listed = tmp_path / "imports-0"
+    monkeypatch.setenv(startup.IMPORTS_VAR, str(listed))
+    startup.note_imports()
+    names = listed.read_text().split()
+    assert "train.startup" in names and "sys" in names and not [n for n in names if n.startswith("__")]
+
+    for name in ("colorsys", "wave"):
+        sys.modules.pop(name, None)
+    listed.write_text("colorsys\nno_such_module_here\n")
+    startup._import_listed(str(listed), threading.Event())
+    assert "colorsys" in sys.modules  # and the module that is not there was passed over
+
+    assigned = threading.Event()
+    assigned.set()
+    listed.write_text("wave\n")
+    startup._import_listed(str(listed), assigned)
+    assert "wave" not in sys.modules

@@ -87,7 +87,7 @@ class Standby:
         self.proc.wait()
 
 
-_standbys: dict[int, Standby] = {}
+_standbys: dict[str, Standby] = {}  # by local rank
 _folders: list[str] = []
 
 
@@ -107,7 +107,7 @@ def install() -> bool:
 
     def popen_from_standby(handler, args: tuple, env: dict[str, str]) -> subprocess.Popen:
         to_files = getattr(handler, "_stdout", None) is not None or getattr(handler, "_stderr", None) is not None
-        rank = handler.local_rank_id
+        rank = env.get("LOCAL_RANK", "")
         env = env | {IMPORTS_VAR: os.path.join(folder, f"imports-{rank}")}  # the worker's list, for its standby
         standby = _standbys.pop(rank, None)
         proc = standby.take(args, env) if standby is not None and not to_files else None
