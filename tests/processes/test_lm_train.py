@@ -25,6 +25,8 @@ LM = ["--config", "configs/gpt.yaml", "task.seq_len=32", f"task.train_tokens={64
 def lm_cmd(run_dir: Path, *overrides: str, nproc: int = 2, launcher: bool = False) -> list[str]:
     if launcher:
         return [PY, "-m", "train.launch", f"--nproc-per-node={nproc}", "--", *LM, f"run.dir={run_dir}", *overrides]
+    if nproc == 1:  # one rank: the trainer alone (torchrun's own process would import torch for nothing)
+        return [PY, "-m", "train", *LM, f"run.dir={run_dir}", *overrides]
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *LM,
             f"run.dir={run_dir}", *overrides]
 

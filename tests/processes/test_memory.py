@@ -87,12 +87,13 @@ def kill_at(run_dir, step: int, *overrides):
         proc.communicate(timeout=60)
 
 
-def test_an_incomplete_memory_state_is_passed_over_for_the_disk(tmp_path):
+def test_an_incomplete_memory_state_is_passed_over_for_the_disk(tmp_path, uninterrupted):
     """FSDP: each rank writes a share of its own. One share of the newest state gone (a copy cut short): that
-    state is removed, and the disk's checkpoint, newer than the older complete state, loads."""
-    ref, cut, shm = tmp_path / "ref", tmp_path / "cut", tmp_path / "shm"
+    state is removed, and the disk's checkpoint, newer than the older complete state, loads. The run ends bitwise
+    as the uninterrupted DDP one (2 ranks, no clipping: FSDP's reduce-scatter adds what DDP's all-reduce does,
+    tests/processes/test_fsdp.py)."""
+    ref, cut, shm = uninterrupted, tmp_path / "cut", tmp_path / "shm"
     fsdp = ["dist.strategy=fsdp", "checkpoint.every=4", f"checkpoint.memory_dir={shm}"]
-    run_train(ref, *STEPS, *fsdp, nproc=2, entry=RNG_DRAWS)
     kill_at(cut, 7, *fsdp, "checkpoint.memory_every=2")
     folder = memory_folder(shm, cut)
     held = memory_records(folder)
@@ -100,11 +101,12 @@ def test_an_incomplete_memory_state_is_passed_over_for_the_disk(tmp_path):
     assert newest >= 6 and {share for step, share, *_ in held if step == newest} == {0, 1}, held
     next(path for step, share, _, path in held if step == newest and share == 1).unlink()
     # a killed run's folder whose run directory is gone, and one of a live run: the start removes the first only
-    gone, live = memory_folder(shm, tmp_path / "deleted"), memory_folder(shm, ref)
-    for other, run_dir in ((gone, tmp_path / "deleted"), (live, ref)):
+    gone, live = memory_folder(shm, tmp_path / "deleted"), memory_folder(shm, tmp_path / "live")
+    for other, run_dir in ((gone, tmp_path / "deleted"), (live, tmp_path / "live")):
         shutil.copytree(folder, other)
         (other / "owner.json").write_text(json.dumps({"run_dir": str(run_dir), "memory_id": "abc"}))
-    (ref / "checkpoints" / "memory_id").write_text("abc\n")
+    (tmp_path / "live" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "live" / "checkpoints" / "memory_id").write_text("abc\n")
     run_train(cut, *STEPS, *fsdp, nproc=2, entry=RNG_DRAWS)
     assert not gone.exists() and live.exists()
     log = log_of(cut)

@@ -27,6 +27,14 @@ def _launch(run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+def export(*args) -> int:
+    """`python -m train.export ARGS`, in this process (torch and transformers are imported already; the command
+    line itself is tests/processes/test_export_hf.py's): its exit code, its lines in pytest's captured output."""
+    from train import export as export_cmd
+
+    return export_cmd.main([str(a) for a in args])
+
+
 def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(tmp_path):
     """task.init_from a GPT-2 folder, 2 ranks FSDP: a run stopped by SIGTERM and relaunched ends bit for bit where
     the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); under DDP the
@@ -58,9 +66,7 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
         moved = (a["model"][k] - hf_init[k]).norm() if k in hf_init else v.norm()
         assert (v - a["model"][k]).norm() <= 0.01 * moved + 1e-6, k
 
-    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf"], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert export(ref, "--format", "hf") == 0
     exported = ref / "export" / "step_00000008-hf"
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["vocab_size"] == 100
@@ -73,10 +79,7 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
     assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
     assert not torch.allclose(theirs, hf_models.logits_of(folder, tokens), atol=1e-3)  # trained: moved
 
-    proc = subprocess.run([PY, "-m", "train.export", str(ref), "--format", "hf", "--dtype", "bf16", "--out",
-                           str(tmp_path / "bf16")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert export(ref, "--format", "hf", "--dtype", "bf16", "--out", tmp_path / "bf16") == 0
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert (hf_models.logits_of(tmp_path / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
 
@@ -198,10 +201,7 @@ def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(tmp
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4]
-    proc = subprocess.run([PY, "-m", "train.export", str(tmp_path / "run"), "--format", "hf", "--out",
-                           str(tmp_path / "hf")], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert export(tmp_path / "run", "--format", "hf", "--out", tmp_path / "hf") == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["n_positions"], config["n_layer"], config["vocab_size"]) == (48, 2, 100)
 
