@@ -121,11 +121,11 @@ def test_fine_tuned_under_fsdp_stopped_resumed_bitwise_resized_and_exported_to_t
 def test_lora_under_fsdp_hsdp_and_ddp_resumes_bitwise_and_exports_for_peft_and_merged(tmp_path, llama):
     """task.lora_rank=4 (dropout 0.1 on the adapters' input): 2 ranks FSDP to step 6 (the reference): only the 8
     adapter tensors train (the log says so) and hold optimizer state, every frozen weight is still the folder's.
-    Another run stopped after step 3 and relaunched under HSDP (2 replicas: on 2 ranks it adds what FSDP does) to 6:
-    bit for bit the reference (adapters, optimizer, losses). That run goes on under DDP to step 8: at each
-    relaunch the frozen weights still the folder's, the ranks in sync. The reference's export: its adapters as peft
-    saves them, which PeftModel.from_pretrained loads over the folder with the trained model's logits bit for bit;
-    --merged, a folder transformers loads alone with those logits, peft's own merge_and_unload's bit for bit."""
+    Another run stopped after step 3 and relaunched to 6: bit for bit the reference (adapters, optimizer, losses).
+    That run goes on under HSDP (2 replicas) to step 8 and under DDP to step 10: the frozen weights still the
+    folder's, the ranks in sync. The reference's export: its adapters as peft saves them, which
+    PeftModel.from_pretrained loads over the folder with the trained model's logits bit for bit; --merged, a folder
+    transformers loads alone with those logits, peft's own merge_and_unload's bit for bit."""
     import peft
     from safetensors.torch import load_file
 
@@ -147,20 +147,21 @@ def test_lora_under_fsdp_hsdp_and_ddp_resumes_bitwise_and_exports_for_peft_and_m
     assert all(a["model"][k].any() for k in adapters)  # lora_B too: trained away from its zero
 
     stop_at(_launch(run, folder, data, "train.steps=6", *lora), run, 3)
-    for steps, strategy in (("6", ["dist.strategy=hsdp", "dist.shard_size=1"]), ("8", ["dist.strategy=ddp"])):
+    rc, out, err = finish(_launch(run, folder, data, "train.steps=6", *lora))
+    assert rc == 0, err[-3000:]
+    b = latest_state(run)
+    assert b["step"] == 6 and a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        assert all(torch.equal(t, b["optimizer"]["state"][k][n]) for n, t in v.items()), k
+    assert train_losses(run) == train_losses(ref)
+    for steps, strategy in (("8", ["dist.strategy=hsdp", "dist.shard_size=1"]), ("10", ["dist.strategy=ddp"])):
         rc, out, err = finish(_launch(run, folder, data, f"train.steps={steps}", *lora, *strategy))
         assert rc == 0, err[-3000:]
-        b = latest_state(run)
-        assert all(torch.equal(v, init[k.replace(".base_layer.", ".")]) for k, v in b["model"].items()
-                   if k not in adapters)
+        c = latest_state(run)["model"]
+        assert all(torch.equal(v, init[k.replace(".base_layer.", ".")]) for k, v in c.items() if k not in adapters)
         assert summary(run)["ranks_in_sync"] and len(train_losses(run)) == int(steps)
-        if steps == "6":
-            assert b["step"] == 6 and a["model"].keys() == b["model"].keys()
-            for k, v in a["model"].items():
-                assert torch.equal(v, b["model"][k]), k
-            for k, v in a["optimizer"]["state"].items():
-                assert all(torch.equal(t, b["optimizer"]["state"][k][n]) for n, t in v.items()), k
-            assert train_losses(run) == train_losses(ref)
 
     assert export.main([str(ref), "--format", "hf"]) == 0
     exported = ref / "export" / "step_00000006-hf"
