@@ -122,7 +122,10 @@ def install() -> bool:
                 pass  # the next round starts its workers afresh
         return proc
 
-    folder = tempfile.mkdtemp(prefix="train-standby-")
+    try:
+        folder = tempfile.mkdtemp(prefix="train-standby-")  # 0700: the workers' lists of imports
+    except OSError:  # no writable temporary folder (a read-only container without one): workers start afresh
+        return False
     _folders.append(folder)
     handler_class._popen = popen_from_standby
     return True
