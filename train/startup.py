@@ -67,7 +67,8 @@ def _import_listed(path: str, assigned: threading.Event) -> None:
         if assigned.wait(0.2):
             return
     try:
-        names = open(path).read().split()
+        with open(path) as f:
+            names = f.read().split()
     except OSError:
         return
     for name in names:
