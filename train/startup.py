@@ -8,9 +8,9 @@ while it runs, then what it imported is frozen (gc.freeze: never walked again, a
 built) and collection is turned back on. The few objects that the imports leave unreachable are frozen with the
 rest: a little memory, once per process.
 
-A standby (train/launch/standby.py) is a worker that does those imports before torchrun restarts the group, then
-waits for its round: stand_by() here, and note_imports(), the list of what a worker imported that its standby imports
-too.
+A standby (train/launch/standby.py) is a worker that does those imports before torchrun restarts the group, at the
+lowest priority, then waits for its round: stand_by() here, and note_imports(), the list of what a worker imported
+that its standby imports too.
 
 Standard library only: it runs before torch is imported.
 """
@@ -91,21 +91,38 @@ def _name(name: str) -> None:
         pass
 
 
+def raise_to_this_thread(thread: threading.Thread) -> bool:
+    """The thread's priority raised back to the calling thread's; False where that is not allowed (a process without
+    CAP_SYS_NICE may lower a priority, never raise it: most users of a cluster) or the thread has ended."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread.native_id, os.getpriority(os.PRIO_PROCESS, 0))
+    except OSError:
+        return False
+    return True
+
+
 def stand_by(preload: Callable[[], None]) -> None:
     """A standby (train/launch/standby.py): run `preload` (the imports) on a thread of the lowest priority, wait for
     the round's environment on the pipe, take it, and return once the imports are done, to start as a worker
     would. Exits at once, quietly, where the pipe ends with no round (torchrun ended, or it started a worker
-    afresh)."""
+    afresh).
+
+    Imports still under way when the round comes go on at this thread's priority: at the lowest, on cores the other
+    ranks keep busy, they could take minutes. Where the priority cannot be raised, the process starts afresh as the
+    round's worker instead (exec: the same process, the one torchrun watches)."""
     fd = int(os.environ.pop(STANDBY_VAR))
     listed = os.environ.get(IMPORTS_VAR)
     assigned = threading.Event()
+    priority = threading.Lock()  # held to lower the preload's priority, and to take the round: one after the other
     _name("train-standby")
 
     def low_priority_preload() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone (Linux)
-        except OSError:
-            pass
+        with priority:
+            if not assigned.is_set():
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone (Linux)
+                except OSError:
+                    pass
         with frozen_imports():
             try:
                 preload()
@@ -123,7 +140,10 @@ def stand_by(preload: Callable[[], None]) -> None:
     if not chunks:
         os._exit(0)
     env = json.loads(b"".join(chunks))
-    assigned.set()
+    with priority:
+        assigned.set()
+        if thread.is_alive() and not raise_to_this_thread(thread) and thread.is_alive():
+            os.execve(sys.executable, sys.orig_argv, env)
     thread.join()  # the trainer's imports done; no import under way while the environment changes
     os.environ.clear()
     os.environ.update(env)

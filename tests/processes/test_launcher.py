@@ -606,6 +606,34 @@ def test_torchrun_s_standbys_end_when_its_process_is_killed(tmp_path):
         finish(proc, 60)
 
 
+def test_a_standby_whose_imports_are_not_done_when_its_round_comes_starts_afresh_where_priorities_cannot_rise(
+        tmp_path):
+    """A standby imports on a thread of the lowest priority. Its round come, a process without CAP_SYS_NICE (most
+    users of a cluster) cannot raise that thread again, and on busy cores the imports left would hold the round for
+    minutes. Here they never end (held in the standbys' import of the trainer): each standby starts afresh as its
+    rank's worker (the same process, exec'd), and the run ends."""
+    env = after_import(tmp_path, "train.trainer", """
+import threading, time
+if threading.current_thread().name == "standby-preload":
+    time.sleep(3600)""")
+    run_dir = tmp_path / "run"
+    without_nice = ("setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice")
+    proc = launch(run_dir, "train.steps=12", launcher=("--nproc-per-node=2", "--max-restarts=1"), env=env,
+                  prefix=without_nice)
+    try:
+        wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
+        first = workers(proc.pid)
+        standbys = wait_for(lambda: s if len(s := [p for p in children(torchrun(proc.pid)) if is_standby(p)]) == 2
+                            else None, 60, "two standbys")
+        os.kill(first[1], signal.SIGKILL)
+        second = _round_two(proc, first)
+        assert sorted(second.values()) == sorted(standbys)
+        rc, out, err = finish(proc, 120)
+    finally:
+        kill_family(proc.pid)
+    assert rc == 0, err[-3000:]
+    assert summary(run_dir)["steps"] == 12
+
 def _name(pid: int) -> str:
     """A process's name (its comm), "" once it is gone or a zombie."""
     try:

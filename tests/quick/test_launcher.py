@@ -109,3 +109,31 @@ def test_a_standby_imports_what_the_last_round_s_worker_listed_and_stops_when_it
     listed.write_text("wave\n")
     startup._import_listed(str(listed), assigned)
     assert "wave" not in sys.modules
+
+
+def test_a_standby_s_imports_go_on_at_the_worker_s_priority_once_its_round_comes():
+    """train/startup.py: a standby's imports run on a thread at nice 19. Left at 19 once the round comes, the imports
+    still under way would take minutes on cores the other ranks keep busy, and the round would wait for them: the
+    thread's priority is raised back to the worker's, where the process may (CAP_SYS_NICE: root in a container).
+    Where it may not, nothing changes and the standby starts afresh (tests/processes/test_launcher.py)."""
+    import os
+    import threading
+
+    from train import startup
+
+    lowered, round_came, seen = threading.Event(), threading.Event(), []
+
+    def imports() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lowered.set()
+        round_came.wait(30)
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's (Linux)
+
+    thread = threading.Thread(target=imports)
+    thread.start()
+    lowered.wait(30)
+    may = startup.raise_to_this_thread(thread)
+    round_came.set()
+    thread.join()
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) if may else 19]
+    assert may or os.geteuid() != 0  # CI and the image run the suite as root

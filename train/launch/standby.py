@@ -1,15 +1,16 @@
 """Standby workers: torchrun's restart starts from processes that have already imported torch and the trainer.
 
-A fresh worker spends seconds importing torch, the task's module and the trainer before it can load a checkpoint.
-With restarts allowed (--max-restarts above 0), each worker torchrun starts in this process has a standby beside
-it: the same command and environment, less the round's variables (RANK, WORLD_SIZE, MASTER_PORT, ...), started at
-once, which does those imports on a thread of the lowest priority and then waits (train/startup.py: stand_by;
-`ps` shows it as train-standby). When torchrun restarts the workers (a crash, a node that joins), each local rank's
-new worker is its standby, given the round's environment through a pipe: the process torchrun watches, signals and
-reaps is an ordinary child of it, as any worker. A standby is used only where the command and every variable but
-the round's are the same (and the worker's output is not redirected to a file); else it is ended and a worker
-started as usual. The last restart torchrun allows gets none; when torchrun ends, so do they (a standby whose pipe
-closes, torchrun's process gone, exits).
+A fresh worker spends seconds importing torch, the task's module and the trainer before it can load a checkpoint. With
+restarts allowed (--max-restarts above 0), each worker torchrun starts in this process has a standby beside it: the
+same command and environment, less the round's variables (RANK, WORLD_SIZE, MASTER_PORT, ...), started at once, which
+does those imports on a thread of the lowest priority and then waits (train/startup.py: stand_by; `ps` shows it as
+train-standby). Imports not done when its round comes go on at the worker's priority, or, where the process may not
+raise a priority, the standby starts afresh, as any worker. When torchrun restarts the workers (a crash, a node that
+joins), each local rank's new worker is its standby, given the round's environment through a pipe: the process
+torchrun watches, signals and reaps is an ordinary child of it, as any worker. A standby is used only where the
+command and every variable but the round's are the same (and the worker's output is not redirected to a file); else it
+is ended and a worker started as usual. The last restart torchrun allows gets none; when torchrun ends, so do they (a
+standby whose pipe closes, torchrun's process gone, exits).
 
 Set LAUNCH_STANDBY=0 to start every worker afresh (each standby holds the imports' memory, a few hundred MB).
 """
