@@ -12,7 +12,7 @@ CONFIG ?= configs/default.yaml
 NPROC ?=
 ARGS ?=
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 .PHONY: venv dev train-local test test-quick test-pages test-bench test-python venv-torch test-torch lint bench gpu-check clean-runs
 
@@ -46,7 +46,8 @@ train-local: venv
 
 # TEST_WORKERS test files at a time (pytest-xdist, --dist loadfile): a file's tests run in order on one
 # worker, so the files that hold one resource (SLURM's cluster, the Docker engine) never share it, while
-# the tests that wait on deadlines overlap the ones that compute. tests/conftest.py orders the files.
+# the tests that wait on deadlines overlap the ones that compute: three on CI's two cores keep both busy.
+# tests/conftest.py orders the files.
 test: dev
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/pages --ignore=tests/bench $(PYTEST_ARGS)
 

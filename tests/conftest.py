@@ -198,11 +198,11 @@ def assert_trained_alike(a: dict, b: dict, rtol: float = 0.05, atol: float = 0.0
             assert moved > 0 and (ak - bk).norm() <= rtol * moved + atol, f"{k} differs"
 
 
-# `make test` runs the files two at a time (pytest-xdist's --dist loadfile, one per core): a file's tests
-# run in order on one worker, so a file that holds one resource of the machine (test_slurm's cluster) never
-# shares it, and the tests that mostly wait (stop budgets, restarts, rendezvous and SLURM's scheduling: a third
-# of the CPU idle when they ran alone) overlap the ones that compute. Real hosts carry random names, addresses
-# and bridges (tests/hosts.py), so two files can use them at once.
+# `make test` runs the files three at a time on two cores (pytest-xdist's --dist loadfile): a file's tests run in
+# order on one worker, so a file that holds one resource of the machine (test_slurm's cluster) never shares it,
+# and the tests that mostly wait (stop budgets, restarts, rendezvous and SLURM's scheduling: with one worker a core,
+# a fifth of the CPU stayed idle) overlap the ones that compute. Real hosts carry random names, addresses and
+# bridges (tests/hosts.py), so several files can use them at once.
 def _uses_image(item) -> bool:
     return "image" in getattr(item, "fixturenames", ())
 
@@ -217,8 +217,8 @@ IMAGE_FILES = ("test_container.py", "test_compose.py", "test_image.py")
 def pytest_collection_modifyitems(config, items):
     """The files with tests on the project's image run last: its build (minutes from cold) runs in the
     background while the others run (tests/engine.py). There are three (IMAGE_FILES: their containers, volumes
-    and compose projects have names of their own), so that at the end both workers run the image's tests,
-    rather than one alone for minutes while the other has nothing left."""
+    and compose projects have names of their own), so that at the end the workers run the image's tests
+    together, rather than one alone for minutes while the others have nothing left."""
     image_files = {item.path for item in items if _uses_image(item)}
 
     def order(item) -> tuple[bool, bool, int, str]:
