@@ -88,6 +88,7 @@ KEEP_TORCH_INSTALL = pip install -q -r <(grep -vE '^(torch|torchvision)==' requi
 TORCH_TESTS ?= tests/processes/test_torch_range.py::test_a_stop_slower_than_torchruns_own_timeout_completes_within_the_launchers_budget \
 	tests/processes/test_launcher.py::test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75 \
 	tests/processes/test_launcher.py::test_torchrun_s_standbys_end_when_its_process_is_killed \
+	tests/processes/test_launcher.py::test_a_standby_whose_imports_are_not_done_when_its_round_comes_starts_afresh_where_priorities_cannot_rise \
 	tests/processes/test_launcher.py::test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75 \
 	tests/processes/test_resume.py::test_async_save_gives_the_same_checkpoints_as_a_synchronous_one \
 	"tests/processes/test_resume.py::test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume[async]" \
