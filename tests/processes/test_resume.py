@@ -669,7 +669,8 @@ def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found
     before anything is saved from them: found at the next save (a step whose loss was still finite), or at the
     next log (the loss). So do BatchNorm statistics that turned inf (the training loss never sees them). The
     checkpoints stay those of the good steps, retention deletes none of them, and a
-    relaunch (here without the cause) resumes from the last and finishes. Two ranks, under the launcher."""
+    relaunch (here without the cause) resumes from the last and finishes (in the first case: the same resume for
+    all three). Two ranks, under the launcher."""
     run_dir = tmp_path / "run"
     poison_at, every = (3, "train.log_every=4") if found == "loss at a log" else (4, "train.log_every=100")
     env = after_import(tmp_path, "train.trainer", POISON) | {"POISON_AT": str(poison_at),
@@ -689,8 +690,9 @@ def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
     assert all(torch.isfinite(t).all() for t in latest_state(run_dir)["model"].values()
                if torch.is_tensor(t) and t.is_floating_point())
-    run_train(run_dir, *overrides, nproc=2)
-    assert summary(run_dir)["steps"] == 8 and latest_state(run_dir)["step"] == 8
+    if found == "weights at a save":
+        run_train(run_dir, *overrides, nproc=2)
+        assert summary(run_dir)["steps"] == 8 and latest_state(run_dir)["step"] == 8
 
 
 def test_a_model_whose_own_buffer_holds_inf_from_the_start_trains_and_saves(tmp_path):
