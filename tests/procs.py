@@ -79,6 +79,11 @@ def is_standby(pid: int) -> bool:
     return STANDBY_VAR in environ(pid)
 
 
+def standbys(agent: int) -> list[int]:
+    """torchrun's standbys still waiting for a round (train/launch/standby.py): one a local rank."""
+    return [p for p in children(agent) if is_standby(p) and rank_of(p) is None]
+
+
 def torchrun(launcher_pid: int) -> int:
     """The torchrun agent under a launcher (not another, short-lived child of it)."""
     def find():

@@ -27,6 +27,7 @@ from tests.procs import (
     kill_family,
     launch,
     logged_steps,
+    standbys,
     torchrun,
     wait_for,
     workers,
@@ -593,12 +594,11 @@ def test_torchrun_s_standbys_end_when_its_process_is_killed(tmp_path):
     family = []
     try:
         agent = torchrun(proc.pid)
-        standbys = wait_for(lambda: s if len(s := [p for p in children(agent) if is_standby(p)]) == 2 else None, 120,
-                            "two standbys")
-        wait_for(lambda: all(_name(p) == "train-standby" for p in standbys), 30, "the standbys' names")
+        waiting = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 120, "two standbys")
+        wait_for(lambda: all(_name(p) == "train-standby" for p in waiting), 30, "the standbys' names")
         family = descendants(agent)  # the workers outlive it: ended below
         os.kill(agent, signal.SIGKILL)
-        wait_for(lambda: not [p for p in standbys if _name(p) == "train-standby"], 30, "the standbys' end")
+        wait_for(lambda: not [p for p in waiting if _name(p) == "train-standby"], 30, "the standbys' end")
     finally:
         kill_family(proc.pid)
         for p in family:
@@ -623,16 +623,16 @@ if threading.current_thread().name == "standby-preload":
     try:
         wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
         first = workers(proc.pid)
-        standbys = wait_for(lambda: s if len(s := [p for p in children(torchrun(proc.pid)) if is_standby(p)]) == 2
-                            else None, 60, "two standbys")
+        waiting = wait_for(lambda: s if len(s := standbys(torchrun(proc.pid))) == 2 else None, 60, "two standbys")
         os.kill(first[1], signal.SIGKILL)
         second = _round_two(proc, first)
-        assert sorted(second.values()) == sorted(standbys)
+        assert sorted(second.values()) == sorted(waiting)
         rc, out, err = finish(proc, 120)
     finally:
         kill_family(proc.pid)
     assert rc == 0, err[-3000:]
     assert summary(run_dir)["steps"] == 12
+
 
 def _name(pid: int) -> str:
     """A process's name (its comm), "" once it is gone or a zombie."""

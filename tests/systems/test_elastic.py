@@ -29,7 +29,7 @@ from tests.conftest import (
     train_losses,
 )
 from tests.multinode import free_port
-from tests.procs import children, finish, is_standby, kill_family, launcher_command, rank_of, torchrun, wait_for
+from tests.procs import children, finish, kill_family, launcher_command, rank_of, standbys, torchrun, wait_for
 
 # Enough steps after each point a test acts at (a kill, a stop: step 7 at the latest) that the run cannot end first.
 LONG = [*TINY, *PACED, "train.steps=16", "checkpoint.every=5", "dist.timeout_s=20"]  # paced: acted on mid-run
@@ -86,11 +86,6 @@ def reached(run_dir: Path, step: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in metrics(run_dir))
 
 
-def _standbys(agent: int) -> list[int]:
-    """torchrun's standbys still waiting for a round (train/launch/standby.py): one a local rank."""
-    return [p for p in children(agent) if is_standby(p) and rank_of(p) is None]
-
-
 def _gone(pid: int) -> bool:
     try:
         return _state(Path(f"/proc/{pid}")) in "ZX"
@@ -105,12 +100,12 @@ def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_pa
     proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
     rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
     agent = torchrun(proc.pid)
-    standbys = wait_for(lambda: s if len(s := _standbys(agent)) == 2 else None, 60, "two standbys")
+    waiting = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "two standbys")
     wait_for(lambda: reached(hit, 6), 120, "step 6")  # step 5's save is over; step 10 is 4 paced steps away
     os.kill(rank1, signal.SIGKILL)
     second = wait_for(lambda: w if len(w := workers(hit)) == 2 and rank1 not in w.values() else None, 120, "round 2")
-    assert sorted(second.values()) == sorted(standbys), (second, standbys)
-    spare = wait_for(lambda: s if len(s := _standbys(agent)) == 2 else None, 60, "round 2's standbys")
+    assert sorted(second.values()) == sorted(waiting), (second, waiting)
+    spare = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "round 2's standbys")
     try:
         out, err = proc.communicate(timeout=240)  # not finish(), which would end what the launch left itself
     finally:
