@@ -25,8 +25,19 @@ LM = ["--config", "configs/gpt.yaml", "task.seq_len=32", "task.train_tokens=2000
 
 
 def export(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -m train.export ARGS`, as the user types it."""
     return subprocess.run([PY, "-m", "train.export", *map(str, args)], cwd=ROOT, env=clean_env(**env),
                           capture_output=True, text=True, timeout=300)
+
+
+def export_here(capsys, *args) -> tuple[int, str]:
+    """The same command's main in this process (its exit code and stderr), without a start-up of its own: for the
+    cases that check what one export writes or refuses, once the command itself is tested above."""
+    from train import export as command
+
+    capsys.readouterr()
+    code = command.main([*map(str, args)])
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +70,7 @@ def trained_logits(folder: Path, run: Path, tokens: torch.Tensor) -> torch.Tenso
         return model.eval()(tokens)[..., :100]
 
 
-def test_a_sharded_export_is_what_save_pretrained_writes_and_gives_the_trained_logits(tmp_path, gpt_run):
+def test_a_sharded_export_is_what_save_pretrained_writes_and_gives_the_trained_logits(tmp_path, capsys, gpt_run):
     """--max-shard-size 20KB: model-0000i-of-0000N.safetensors and model.safetensors.index.json, the same file names,
     split and index (total_size, total_parameters, weight_map) as transformers' save_pretrained of the model it
     builds from the exported config.json, at that size; the files hold exactly the index's keys; from_pretrained
@@ -100,8 +111,8 @@ def test_a_sharded_export_is_what_save_pretrained_writes_and_gives_the_trained_l
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (folder / name).read_bytes(), name
 
-    proc = export(run, "--format", "hf", "--out", tmp_path / "one")  # 5GB: one file, no index
-    assert proc.returncode == 0, proc.stderr
+    code, err = export_here(capsys, run, "--format", "hf", "--out", tmp_path / "one")  # 5GB: one file, no index
+    assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "one").glob("*.safetensors*")) == ["model.safetensors"]
     assert (hf_models.logits_of(tmp_path / "one", tokens) - theirs).abs().max() == 0
 
@@ -117,11 +128,11 @@ def counted_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_dtype_casts_the_floating_tensors_and_keeps_an_integer_buffer(tmp_path, counted_run, dtype):
+def test_dtype_casts_the_floating_tensors_and_keeps_an_integer_buffer(tmp_path, capsys, counted_run, dtype):
     from safetensors.torch import load_file
 
-    proc = export(counted_run, "--format", "hf", "--dtype", dtype, "--out", tmp_path / "hf")
-    assert proc.returncode == 0, proc.stderr
+    code, err = export_here(capsys, counted_run, "--format", "hf", "--dtype", dtype, "--out", tmp_path / "hf")
+    assert code == 0, err
     files = load_file(tmp_path / "hf" / "model.safetensors")
     state = latest_state(counted_run)["model"]
     assert files["transformer.counts"].dtype == torch.int64 and files["transformer.counts"].tolist() == [70000, 3,
@@ -135,16 +146,18 @@ def test_dtype_casts_the_floating_tensors_and_keeps_an_integer_buffer(tmp_path, 
 
 
 @pytest.mark.parametrize("case", ["config", "model"])
-def test_keys_or_shapes_that_do_not_fit_are_refused_before_anything_is_written(tmp_path, counted_run, case):
+def test_keys_or_shapes_that_do_not_fit_are_refused_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                               counted_run, case):
     """The task's config.json names one layer more than the files hold (checked against the model transformers
     builds from it), or the task's model has one layer more than the checkpoint: one line, exit 2, no file."""
     out = tmp_path / "hf"
-    proc = export(counted_run, "--format", "hf", "--max-shard-size", "20KB", "--out", out, EXPORT_BREAK=case)
+    monkeypatch.setenv("EXPORT_BREAK", case)
+    code, err = export_here(capsys, counted_run, "--format", "hf", "--max-shard-size", "20KB", "--out", out)
     says = {"config": "would lack 12 tensor(s) of the GPT2LMHeadModel that transformers builds from its config.json, "
                       "e.g. transformer.h.4.ln_1.weight",
             "model": "holds no tensor model.transformer.h.4.ln_1.weight, which the task's model has"}[case]
-    assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert "nothing written" in proc.stderr
+    assert code == 2 and says in err and err.count("\n") == 1, err
+    assert "nothing written" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -174,11 +187,11 @@ def test_the_hf_task_exports_a_folder_whose_architectures_is_null(tmp_path):
     assert hf_models.logits_of(tmp_path / "hf", tokens).isfinite().all()
 
 
-def test_a_max_shard_size_that_is_no_size_or_for_pt_is_one_line_exit_2(tmp_path, counted_run):
+def test_a_max_shard_size_that_is_no_size_or_for_pt_is_one_line_exit_2(tmp_path, capsys, counted_run):
     for args, says in ((["--format", "hf", "--max-shard-size", "5XB"], "--max-shard-size 5XB: give a size such as "
                                                                        "5GB or 100MB"),
                        (["--format", "hf", "--max-shard-size", "0MB"], "--max-shard-size 0MB: give a size"),
                        (["--max-shard-size", "1GB"], "--max-shard-size splits --format hf's safetensors files")):
-        proc = export(counted_run, *args, "--out", tmp_path / "out")
-        assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        code, err = export_here(capsys, counted_run, *args, "--out", tmp_path / "out")
+        assert code == 2 and says in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []

@@ -179,24 +179,30 @@ def test_the_default_export_in_the_run_is_replaced_by_the_next_but_never_once_ch
     assert tree(run) == before
 
 
-def _exports_on_a_full_disk(runs: list[list[str]], limit: int) -> list[tuple[int, str]]:
-    """Exports (each export.main's arguments) in one process whose files may not grow beyond `limit` bytes
-    (RLIMIT_FSIZE, SIGXFSZ ignored: a write past it fails with EFBIG, as on a full disk or quota): each one's exit
-    code and stderr."""
-    def limited():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
+def _exports_in_one_process(runs: list[list[str]], user: list[str] | None = None, preexec_fn=None
+                            ) -> list[tuple[int, str]]:
+    """Exports (each export.main's arguments) in one process of their own, under `user` (a command that changes
+    it) if given, `preexec_fn` run in it before: each one's exit code and stderr, what the user sees of each."""
     script = ("import contextlib, io, json, sys\nfrom train import export\nfound = []\n"
               "for args in json.loads(sys.argv[1]):\n"
               "    err = io.StringIO()\n"
               "    with contextlib.redirect_stderr(err):\n"
               "        found.append((export.main(args), err.getvalue()))\n"
               "print(json.dumps(found))\n")
-    proc = subprocess.run([PY, "-c", script, json.dumps(runs)], cwd=ROOT, env=clean_env(), capture_output=True,
-                          text=True, timeout=300, preexec_fn=limited)
+    proc = subprocess.run([*(user or []), PY, "-c", script, json.dumps(runs)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _exports_on_a_full_disk(runs: list[list[str]], limit: int) -> list[tuple[int, str]]:
+    """Exports in one process whose files may not grow beyond `limit` bytes (RLIMIT_FSIZE, SIGXFSZ ignored: a write
+    past it fails with EFBIG, as on a full disk or quota): each one's exit code and stderr."""
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return _exports_in_one_process(runs, preexec_fn=limited)
 
 
 @pytest.mark.parametrize("fmt", ["pt", "hf"])
@@ -259,7 +265,7 @@ def test_an_out_in_a_folder_you_cannot_write_is_one_line_exit_2(finished_run):
             pytest.skip("running as root without setpriv: no user here whom a folder's permissions stop")
         user = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
         uid, gid = pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
-        probe = subprocess.run([*user, PY, "-c", "import train.export"], cwd=ROOT, env=clean_env(),
+        probe = subprocess.run([*user, PY, "-c", "import train"], cwd=ROOT, env=clean_env(),
                                capture_output=True, text=True)
         if probe.returncode != 0:  # a checkout in a folder of root's alone (a CI clone in a mktemp folder)
             pytest.skip(f"nobody cannot run this checkout's Python: {probe.stderr.strip().splitlines()[-1:]}")
@@ -275,12 +281,12 @@ def test_an_out_in_a_folder_you_cannot_write_is_one_line_exit_2(finished_run):
         for p in (ro, run):
             p.chmod(0o555)
         before = tree(root)
-        for args, where in [(["--out", str(ro / "x.pt")], ro), (["--out", str(ro / "a" / "b" / "x.pt")], ro),
-                             ([], run)]:
-            proc = _export(str(run), *args, user=user)
-            assert (proc.returncode, proc.stdout) == (2, ""), proc
-            assert proc.stderr == (f"error: --out's parent {where} is not writable by uid {uid} gid {gid}: choose a "
-                                   f"writable --out, or make {where} writable by that user\n"), proc.stderr
+        cases = [(["--out", str(ro / "x.pt")], ro), (["--out", str(ro / "a" / "b" / "x.pt")], ro), ([], run)]
+        found = _exports_in_one_process([[str(run), *args] for args, _ in cases], user=user)
+        for (_, where), (rc, err) in zip(cases, found, strict=True):
+            assert rc == 2, (rc, err)
+            assert err == (f"error: --out's parent {where} is not writable by uid {uid} gid {gid}: choose a "
+                           f"writable --out, or make {where} writable by that user\n"), err
         assert tree(root) == before
         run.chmod(0o755)  # for the TemporaryDirectory's cleanup (a non-root user's)
         ro.chmod(0o755)
@@ -311,7 +317,7 @@ def relative_run(tmp_path_factory) -> Path:
     return proj
 
 
-def test_the_paths_a_run_started_from_are_refused_from_any_directory(tmp_path, relative_run):
+def test_the_paths_a_run_started_from_are_refused_from_any_directory(tmp_path, capsys, monkeypatch, relative_run):
     """The issue's case: a run launched in proj/ with task.data=data; from proj's parent, `export proj/runs/rel --out
     proj/data/chats_val_000000.bin --force` replaced the validation shard (exit 0: "data" was read from export's own
     directory). The run records where it was launched (run_info.json's "cwd"; its config keeps "data" as typed), and
@@ -325,16 +331,26 @@ def test_the_paths_a_run_started_from_are_refused_from_any_directory(tmp_path, r
     (elsewhere / "data").mkdir(parents=True)  # export's own data/ there: the old rule protected this one instead
     before = tree(proj)
     shard = proj / "data" / "chats_val_000000.bin"
+    first = True  # the issue's command as typed, in a process of its own; the other cases run export's main here
     for cwd, run_arg, out in [(proj.parent, "proj/runs/rel", "proj/data/chats_val_000000.bin"),
                               (elsewhere, str(run), str(shard)), (elsewhere, str(run), str(proj / "data"))]:
         for force in ([], ["--force"]):
-            proc = subprocess.run([PY, "-m", "train.export", run_arg, "--out", out, *force], cwd=cwd,
-                                  env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+            if first:
+                proc = subprocess.run([PY, "-m", "train.export", run_arg, "--out", out, *force], cwd=cwd,
+                                      env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                                      timeout=120)
+                code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+                first = False
+            else:
+                monkeypatch.chdir(cwd)
+                capsys.readouterr()
+                code = export.main([run_arg, "--out", out, *force])
+                stdout, stderr = capsys.readouterr()
             relation = "is" if out.endswith("data") else "is inside"
-            assert (proc.returncode, proc.stdout) == (2, ""), proc
-            assert proc.stderr == (f"error: --out {out} {relation} task.data of the run, a path it started from "
-                                   f"({(proj / 'data').resolve()}): export never writes there, even with --force; give "
-                                   f"another --out (default: {run_arg}/export/step_00000002.pt)\n"), proc.stderr
+            assert (code, stdout) == (2, ""), (code, stdout, stderr)
+            assert stderr == (f"error: --out {out} {relation} task.data of the run, a path it started from "
+                              f"({(proj / 'data').resolve()}): export never writes there, even with --force; give "
+                              f"another --out (default: {run_arg}/export/step_00000002.pt)\n"), stderr
     assert tree(proj) == before
     assert sorted(p.name for p in elsewhere.iterdir()) == ["data"]
 
