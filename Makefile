@@ -47,8 +47,10 @@ train-local: venv
 # TEST_WORKERS test files at a time (pytest-xdist, --dist loadfile): a file's tests run in order on one
 # worker, so the files that hold one resource (SLURM's cluster, the Docker engine) never share it, while
 # the tests that wait on deadlines overlap the ones that compute: three on CI's two cores keep both busy.
-# tests/conftest.py orders the files.
+# tests/conftest.py orders the files. The project's bytecode is written first: the suite starts hundreds of
+# processes, and where PYTHONDONTWRITEBYTECODE is set (CI's environment may set it) each would compile train/ anew.
 test: dev
+	$(PY) -m compileall -q train tests >/dev/null
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/pages --ignore=tests/bench $(PYTEST_ARGS)
 
 # Every command of README.md and docs/, in a reader's order, on one copy of the project (tests/pages/, minutes).
