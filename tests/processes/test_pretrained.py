@@ -21,10 +21,23 @@ LM = ["--config", "configs/gpt.yaml", "task.seq_len=32", "task.train_tokens=2000
       "optim.warmup_steps=2", "data.num_workers=0", "log.wandb.mode=disabled", "log.report=false"]
 
 
-def _launch(run_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
+# The built-in GPT that writes the name of each tensor it draws at its init to $INIT_LOG (tests/init_log_task.py).
+LOGGED_INIT = f"task.name={ROOT / 'tests' / 'init_log_task.py'}:LoggedInit"
+
+
+def _launch(run_dir: Path, *overrides: str, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
     cmd = [PY, "-m", "train.launch", f"--nproc-per-node={nproc}", "--", *LM, f"run.dir={run_dir}", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+
+def draws(log: Path) -> dict[int, list[str]]:
+    """{rank: the tensors it drew, in order} from an $INIT_LOG (LoggedInit's lines: RANK NAME)."""
+    ranks: dict[int, list[str]] = {}
+    for line in log.read_text().splitlines():
+        rank, name = line.split()
+        ranks.setdefault(int(rank), []).append(name)
+    return ranks
 
 
 def export(*args) -> int:
@@ -35,32 +48,60 @@ def export(*args) -> int:
     return export_cmd.main([str(a) for a in args])
 
 
-def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def fine_tune(tmp_path_factory) -> dict:
+    """task.init_from a GPT-2 folder of 48 positions (the tiny preset has 128), 2 ranks FSDP, 8 steps, a checkpoint
+    every 2, each launch's draws logged (LoggedInit): `ref` uninterrupted; `run` stopped by SIGTERM after step 3, the
+    folder then moved away, the same command relaunched to its end; `ddp` the same fine-tune under DDP, from the
+    moved folder. Launched once for the three tests that read them: {name: (exit code, stdout + stderr)}, the
+    folders and the logs."""
+    root = tmp_path_factory.mktemp("fine_tune")
+    folder, moved = hf_models.tiny_gpt2(root / "gpt2", positions=48), root / "moved"
+    opts = [LOGGED_INIT, f"task.init_from={folder}", "dist.strategy=fsdp", "train.steps=8", "checkpoint.every=2"]
+    runs = {"root": root, "folder": folder, "moved": moved, "opts": opts}
+
+    def launch(name: str, run: str, *overrides: str) -> subprocess.Popen:
+        (root / f"{name}.log").write_text("")
+        return _launch(root / run, *overrides, env=clean_env(INIT_LOG=str(root / f"{name}.log")))
+
+    rc, out, err = finish(launch("ref", "ref", *opts))
+    runs["ref"] = rc, out + err
+    stop_at(launch("stopped", "run", *opts), root / "run", 3)
+    folder.rename(moved)
+    rc, out, err = finish(launch("resumed", "run", *opts))
+    runs["resumed"] = rc, out + err
+    ddp = [o for o in opts if o not in (f"task.init_from={folder}", "dist.strategy=fsdp")]
+    rc, out, err = finish(launch("ddp", "ddp", *ddp, f"task.init_from={moved}", "dist.strategy=ddp"))
+    runs["ddp"] = rc, out + err
+    return runs
+
+
+def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transformers(fine_tune):
     """task.init_from a GPT-2 folder, 2 ranks FSDP: a run stopped by SIGTERM and relaunched ends bit for bit where
     the uninterrupted one does (the relaunch resumes its own checkpoint, not init_from again); under DDP the
     same first loss and weights within 1% of how far training moved them; the export loads in transformers
     with the trained model's logits; bf16 export too."""
-    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
-    opts = [f"task.init_from={folder}", "dist.strategy=fsdp", "train.steps=8", "checkpoint.every=2"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    rc, out, err = finish(_launch(ref, *opts))
-    assert rc == 0, err[-3000:]
-    assert f"task.init_from={folder}: the first step starts from the weights of the Hugging Face model" in out + err
+    root, folder, ref, run, ddp = (fine_tune["root"], fine_tune["moved"], fine_tune["root"] / "ref",
+                                   fine_tune["root"] / "run", fine_tune["root"] / "ddp")
+    rc, out = fine_tune["ref"]
+    assert rc == 0, out[-3000:]
+    assert f"task.init_from={fine_tune['folder']}: the first step starts from the weights of the Hugging Face model" \
+        in out
     first = next(m["loss"] for m in metrics(ref) if "loss" in m)
     assert first < 4.9, first  # GPT-2's random weights: about ln(128); not the 0.02-init of a fresh model
     hf_init = gpt_from(folder).state_dict()
 
-    stop_at(_launch(run, *opts), run, 3)
-    rc, out, err = finish(_launch(run, *opts))
-    assert rc == 0, err[-3000:]
-    assert "the first step starts from the weights" not in out + err  # its own checkpoint came first
+    rc, out = fine_tune["resumed"]
+    assert rc == 0, out[-3000:]
+    assert "the first step starts from the weights" not in out  # its own checkpoint came first
     a, b = latest_state(ref), latest_state(run)
+    assert a["step"] == b["step"] == 8
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
 
-    ddp = tmp_path / "ddp"  # the same fine-tune under DDP: the same weights loaded, the same training
-    rc, out, err = finish(_launch(ddp, *[o for o in opts if o != "dist.strategy=fsdp"], "dist.strategy=ddp"))
-    assert rc == 0, err[-3000:]
+    rc, out = fine_tune["ddp"]  # the same fine-tune under DDP: the same weights loaded, the same training
+    assert rc == 0, out[-3000:]
+    assert "dist.strategy=ddp" in out, out[-3000:]
     assert next(m["loss"] for m in metrics(ddp) if "loss" in m) == pytest.approx(first, rel=1e-6)
     for k, v in latest_state(ddp)["model"].items():
         moved = (a["model"][k] - hf_init[k]).norm() if k in hf_init else v.norm()
@@ -79,9 +120,9 @@ def test_fine_tuned_from_gpt2_under_fsdp_resumed_bitwise_then_exported_to_transf
     assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
     assert not torch.allclose(theirs, hf_models.logits_of(folder, tokens), atol=1e-3)  # trained: moved
 
-    assert export(ref, "--format", "hf", "--dtype", "bf16", "--out", tmp_path / "bf16") == 0
-    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert (hf_models.logits_of(tmp_path / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
+    assert export(ref, "--format", "hf", "--dtype", "bf16", "--out", root / "bf16") == 0
+    assert json.loads((root / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (hf_models.logits_of(root / "bf16", tokens) - theirs).abs().max() < 0.05  # bf16 rounding
 
 
 # A GPT-2 folder the built-in GPT would load into other numbers than transformers computes: refused, with why
@@ -143,15 +184,24 @@ def _build(tmp_path: Path, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_fsdp_build(tmp_path_factory) -> tuple[dict, dict]:
+    """The built-in GPT of 2 layers, width 64, built on the meta device by 3 ranks under FSDP (shards of unequal
+    sizes): its figures and its whole initial weights, for the two tests below."""
+    where = tmp_path_factory.mktemp("tiny_fsdp_build")
+    figures = _build(where, "fsdp-3", "--nproc=3", "--strategy=fsdp", "--layers=2", "--embd=64",
+                     "--save", str(where / "fsdp-3.pt"))
+    return figures, torch.load(where / "fsdp-3.pt", weights_only=True)
+
+
+def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_and_world_size(tmp_path,
+                                                                                              tiny_fsdp_build):
     """The built-in GPT is built on the meta device and given its values shard by shard: one rank under DDP and
     3 ranks under FSDP (shards of unequal sizes) start from the same bits, so comparing FSDP with DDP, or
     one world size with another, still compares like with like."""
-    weights = {}
-    for name, nproc, strategy in (("ddp-1", 1, "ddp"), ("fsdp-3", 3, "fsdp")):
-        _build(tmp_path, name, f"--nproc={nproc}", f"--strategy={strategy}", "--layers=2", "--embd=64",
-               "--save", str(tmp_path / f"{name}.pt"))
-        weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    _build(tmp_path, "ddp-1", "--nproc=1", "--strategy=ddp", "--layers=2", "--embd=64", "--save",
+           str(tmp_path / "ddp-1.pt"))
+    weights = {"ddp-1": torch.load(tmp_path / "ddp-1.pt", weights_only=True), "fsdp-3": tiny_fsdp_build[1]}
     ref = weights["ddp-1"]
     for name, w in weights.items():
         assert w.keys() == ref.keys(), name
@@ -163,73 +213,71 @@ def test_a_meta_built_model_starts_from_the_same_weights_whatever_the_strategy_a
                                                               torch.ones(64))
 
 
-def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tmp_path):
+def test_a_model_built_on_meta_costs_each_rank_about_its_share_of_host_memory(tmp_path, tiny_fsdp_build):
     """A 200M-parameter GPT (770 MiB of fp32 weights, M) under FSDP on 2 ranks: each rank's peak RSS while the
     trainer builds it stays under M / 2 plus a constant, where a model built whole on each rank's CPU costs
-    every rank M. The constant is measured: what the same build of a tiny model costs (the modules FSDP
-    imports at its first use, 120 MiB here), plus 128 MiB for one whole tensor while it is initialized and
-    the allocator's slack (measured: 40)."""
-    small = _build(tmp_path, "small", "--nproc=2", "--strategy=fsdp", "--layers=2", "--embd=64")
+    every rank M. The constant is measured: what the build of a tiny model under FSDP costs a rank (the modules
+    FSDP imports at its first use, 120 MiB here; the tiny build of the test above, on 3 ranks: the same per rank
+    as on 2, within 1 MiB), plus 128 MiB for one whole tensor while it is initialized and the allocator's slack
+    (measured: 40)."""
+    small = tiny_fsdp_build[0]
     big = _build(tmp_path, "big", "--nproc=2", "--strategy=fsdp", "--layers=16", "--embd=1024")
     m = big["build_model_mib"]
     assert 700 < m < 900, m
     assert big["build_peak_mib_meta"] < m / 2 + small["build_peak_mib_meta"] + 128, (big, small)
 
 
-def test_an_empty_init_from_is_no_folder_even_where_the_working_directory_holds_a_model(tmp_path):
+@pytest.fixture(scope="module")
+def empty_init_from(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One process, task.init_from= (empty), 1 step, launched from a folder holding a Llama's config.json and
+    model.safetensors, its draws logged (LoggedInit): the process and its log."""
+    where = tmp_path_factory.mktemp("empty_init_from")
+    hf_models.tiny_llama(where, tokenizer=False)  # config.json and model.safetensors in the working directory
+    log = where / "init.log"
+    proc = subprocess.run([PY, "-m", "train", "--config", str(ROOT / "configs/gpt.yaml"), *LM[2:], LOGGED_INIT,
+                           f"run.dir={where / 'run'}", "train.steps=1", "task.init_from="],
+                          cwd=where, env=clean_env(PYTHONPATH=str(ROOT), INIT_LOG=str(log)), capture_output=True,
+                          text=True, timeout=300)
+    return proc, log
+
+
+def test_an_empty_init_from_is_no_folder_even_where_the_working_directory_holds_a_model(empty_init_from):
     """task.init_from= (empty) is the model's own init: launched from a folder holding another model's config.json,
     the built-in GPT neither refuses it nor takes its sizes."""
-    hf_models.tiny_llama(tmp_path, tokenizer=False)  # config.json and model.safetensors in the working directory
-    proc = subprocess.run([PY, "-m", "train", "--config", str(ROOT / "configs/gpt.yaml"), *LM[2:],
-                           f"run.dir={tmp_path / 'run'}", "train.steps=1", "task.init_from="],
-                          cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                          timeout=300)
+    proc, _ = empty_init_from
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model: 805,632 parameters" in proc.stdout, proc.stdout[-3000:]  # the tiny preset, 64 tokens
 
 
-def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(tmp_path):
+def test_a_run_from_a_gpt2_folder_resumes_and_exports_after_the_folder_moved(fine_tune, tmp_path):
     """The sizes read from task.init_from's config.json are recorded in the run (config.yaml, the checkpoints'
     config): the same command relaunched after the folder moved resumes, and the run exports."""
-    folder = hf_models.tiny_gpt2(tmp_path / "gpt2", positions=48)  # 48 positions: the tiny preset has 128
-    cmd = [PY, "-m", "train", *LM, f"run.dir={tmp_path / 'run'}", f"task.init_from={folder}", "checkpoint.every=2"]
-    proc = subprocess.run([*cmd, "train.steps=2"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    folder.rename(tmp_path / "moved")
-    proc = subprocess.run([*cmd, "train.steps=4"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4]
-    assert export(tmp_path / "run", "--format", "hf", "--out", tmp_path / "hf") == 0
+    run = fine_tune["root"] / "run"  # its folder of 48 positions moved away after the stop, before the relaunch
+    assert not fine_tune["folder"].exists()
+    rc, out = fine_tune["resumed"]
+    assert rc == 0, out[-3000:]
+    assert [m["step"] for m in metrics(run) if "loss" in m] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert export(run, "--format", "hf", "--out", tmp_path / "hf") == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["n_positions"], config["n_layer"], config["vocab_size"]) == (48, 2, 100)
 
 
-def test_a_launch_draws_no_init_for_what_a_checkpoint_or_init_from_fills(tmp_path):
+def test_a_launch_draws_no_init_for_what_a_checkpoint_or_init_from_fills(fine_tune, empty_init_from):
     """The random init of a tensor that the launch then loads whole is skipped: a run from a GPT-2 folder draws only
-    the embedding (its padding rows, 28 of 128, are in no file), its relaunch resuming a checkpoint draws nothing,
-    a fresh run draws every tensor. The resumed run ends where the uninterrupted one does."""
-    folder = hf_models.tiny_gpt2(tmp_path / "gpt2")
-    task = f"task.name={ROOT / 'tests' / 'init_log_task.py'}:LoggedInit"
-    log = tmp_path / "init.log"
-
-    def launch(run: str, *overrides: str) -> list[str]:
-        log.write_text("")
-        proc = subprocess.run([PY, "-m", "train", *LM, task, f"run.dir={tmp_path / run}", "checkpoint.every=2",
-                               *overrides], cwd=ROOT, env=clean_env(INIT_LOG=str(log)), capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return log.read_text().split()
-
+    the embedding (its padding rows, 28 of 128, are in no file) on each rank, under FSDP and under DDP, its relaunch
+    resuming a checkpoint draws nothing, a fresh run draws every tensor. The resumed run ends where the
+    uninterrupted one does."""
     from train import config
 
     cfg = config.load("configs/gpt.yaml", LM[2:])
     every = [n for n, _ in cfg.task_class(cfg.task, cfg.seed).model().named_parameters()]
-    assert len(every) == 52 and launch("fresh", "train.steps=1") == every
-    assert launch("run", f"task.init_from={folder}", "train.steps=2") == ["transformer.wte.weight"]
-    assert launch("run", f"task.init_from={folder}", "train.steps=4") == []
-    assert launch("ref", f"task.init_from={folder}", "train.steps=4") == ["transformer.wte.weight"]
-    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "run")
+    proc, log = empty_init_from
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(every) == 52 and draws(log) == {0: every}
+    root = fine_tune["root"]
+    for name in ("ref", "stopped", "ddp"):
+        assert draws(root / f"{name}.log") == {0: ["transformer.wte.weight"], 1: ["transformer.wte.weight"]}, name
+    assert fine_tune["resumed"][0] == 0 and draws(root / "resumed.log") == {}
+    a, b = latest_state(root / "ref"), latest_state(root / "run")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
