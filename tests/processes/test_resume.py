@@ -13,6 +13,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -247,12 +248,16 @@ def test_retention_keeps_exactly_what_the_config_says(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010"
 
 
-def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(tmp_path, finished_two_ranks):
-    sync, asyn = finished_two_ranks, tmp_path / "async"  # the same run, saving in the background
-    run_train(asyn, "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.async=true", nproc=2)
-    for step in (4, 6):
-        a = dcp_io.read_state(sync / "checkpoints" / f"step_{step:08d}")
-        b = dcp_io.read_state(asyn / "checkpoints" / f"step_{step:08d}")
+def test_async_save_gives_the_same_checkpoints_as_a_synchronous_one(full_disk):
+    """The relaunches of the full-disk test below (2 ranks) continue the same run from its step 6 with the same
+    command, saving at steps 8 and 10, one synchronously and one in the background (step 10 trained after the
+    background save of step 8)."""
+    sync, asyn = full_disk("sync"), full_disk("async")
+    for run in (sync, asyn):
+        assert run.relaunch.returncode == 0, run.relaunch.stdout[-2000:] + run.relaunch.stderr[-3000:]
+    for step in (8, 10):
+        a = dcp_io.read_state(sync.dir / "checkpoints" / f"step_{step:08d}")
+        b = dcp_io.read_state(asyn.dir / "checkpoints" / f"step_{step:08d}")
         assert_same_state(a, b, f"step {step}: ")
 
 
@@ -321,29 +326,55 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on_at_once(tmp_
     assert "the checkpoint holds the state of its step" in proc.stdout
 
 
+def _save_on_a_full_disk(run_dir, mode, finished_two_ranks) -> SimpleNamespace:
+    """finished_two_ranks continued to step 10, saving every 2 steps in `mode`, where files past a size are refused
+    (RLIMIT_FSIZE, as a full disk refuses them), then the same command again with room: the two launches, what the
+    checkpoints were between them, and the run."""
+    copy_run(finished_two_ranks, run_dir)  # 2 ranks, checkpoints at steps 2, 4 and 6
+    args = ["train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2",
+            f"checkpoint.async={mode == 'async'}"]
+    ckpts = run_dir / "checkpoints"
+    # Half a rank's tensor file (TINY's: ~1.2 MiB); the logs and the other files of a run stay far below.
+    limit = min(f.stat().st_size for f in ckpts.glob("step_*/*.distcp")) // 2
+    full = subprocess.run(train_cmd(run_dir, *args, nproc=2), cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    latest = (ckpts / "latest").read_text().strip()
+    complete = [p.name for p in storage.complete_checkpoints(ckpts)]
+    relaunch = run_train(run_dir, *args, nproc=2, expect=None)  # the same command again
+    return SimpleNamespace(dir=run_dir, full=full, latest=latest, complete=complete, relaunch=relaunch)
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory, finished_two_ranks):
+    """mode ("sync" or "async") -> _save_on_a_full_disk in that mode, made once for the module: the full-disk test
+    asserts on it, and the async-against-sync test compares the checkpoints its two relaunches saved."""
+    made = {}
+
+    def get(mode):
+        if mode not in made:
+            made[mode] = _save_on_a_full_disk(tmp_path_factory.mktemp(f"full-disk-{mode}"), mode, finished_two_ranks)
+        return made[mode]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(tmp_path, mode, finished_two_ranks):
+def test_a_save_on_a_full_disk_is_one_line_and_the_checkpoints_before_it_resume(mode, full_disk):
     """A save that cannot be written (here a real write error: files past a size refused, RLIMIT_FSIZE, as a
     full disk refuses them) ends the run with one line per rank naming the error and what to do; the
     checkpoints before it stay complete and `latest`, and the same command relaunched resumes from them."""
-    copy_run(finished_two_ranks, tmp_path)  # 2 ranks, checkpoints at steps 2, 4 and 6
-    args = ["train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2",
-            f"checkpoint.async={mode == 'async'}"]
-    # Half a rank's tensor file (TINY's: ~1.2 MiB); the logs and the other files of a run stay far below.
-    limit = min(f.stat().st_size for f in (tmp_path / "checkpoints").glob("step_*/*.distcp")) // 2
-    proc = subprocess.run(train_cmd(tmp_path, *args, nproc=2), cwd=ROOT, env=clean_env(), capture_output=True,
-                          text=True, timeout=300,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    run = full_disk(mode)
+    proc = run.full
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert (f"[rank {rank}] error: a checkpoint could not be written; the ones before it are intact: make room"
                 in proc.stderr and "OSError: [Errno 27] File too large)" in proc.stderr), proc.stderr[-3000:]
-    ckpts = tmp_path / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000006"
-    assert [p.name for p in storage.complete_checkpoints(ckpts)] == ["step_00000006", "step_00000004",
-                                                                     "step_00000002"]
-    proc = run_train(tmp_path, *args, nproc=2)  # the same command again
-    assert "at step 6" in proc.stdout and summary(tmp_path)["steps"] == 10
+    assert run.latest == "step_00000006"
+    assert run.complete == ["step_00000006", "step_00000004", "step_00000002"]
+    proc = run.relaunch
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "at step 6" in proc.stdout and summary(run.dir)["steps"] == 10
 
 
 # A patch of train/checkpoint/dcp_io.py (conftest.after_import): the background save's writer fails on an error that is
@@ -669,8 +700,8 @@ def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found
     before anything is saved from them: found at the next save (a step whose loss was still finite), or at the
     next log (the loss). So do BatchNorm statistics that turned inf (the training loss never sees them). The
     checkpoints stay those of the good steps, retention deletes none of them, and a
-    relaunch (here without the cause) resumes from the last and finishes (in the first case: the same resume for
-    all three). Two ranks, under the launcher."""
+    relaunch (here without the cause) resumes from the last and finishes (in the first case, in one process: the
+    same resume for all three, and any number of ranks loads it). Two ranks, under the launcher."""
     run_dir = tmp_path / "run"
     poison_at, every = (3, "train.log_every=4") if found == "loss at a log" else (4, "train.log_every=100")
     env = after_import(tmp_path, "train.trainer", POISON) | {"POISON_AT": str(poison_at),
@@ -690,8 +721,8 @@ def test_a_diverged_run_is_never_saved_over_its_good_checkpoints(tmp_path, found
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
     assert all(torch.isfinite(t).all() for t in latest_state(run_dir)["model"].values()
                if torch.is_tensor(t) and t.is_floating_point())
-    if found == "weights at a save":
-        run_train(run_dir, *overrides, nproc=2)
+    if found == "weights at a save":  # one process: the checkpoint of 2 ranks loads into any number (resharded)
+        run_train(run_dir, *overrides)
         assert summary(run_dir)["steps"] == 8 and latest_state(run_dir)["step"] == 8
 
 
