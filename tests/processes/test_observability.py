@@ -16,7 +16,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.conftest import OBSERVED, PACED, PY, ROOT, clean_env, latest_state, metrics, run_train, summary, train_cmd
+import pytest
+
+from tests.conftest import (
+    OBSERVED,
+    PACED,
+    PY,
+    ROOT,
+    clean_env,
+    copy_run,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_cmd,
+)
 from train.observe import report_writer
 
 STEP_LINE = re.compile(r"step \d+/\d+")
@@ -91,44 +105,63 @@ def assert_no_progress(text: str, who: str) -> None:
     assert "\r" not in text and "\x1b[" not in text, f"{who} has terminal control codes:\n{text[-2000:]!r}"
 
 
-def test_offline_wandb_records_under_the_run_dir_and_a_resume_continues_the_same_run(tmp_path):
-    run_dir = tmp_path / "run"
-    wb = ["log.wandb.mode=offline", "log.wandb.project=obs-test", "log.wandb.tags=alpha, beta",
-          "log.wandb.group=g1", "run.name=obs"]
+WB = ["log.wandb.mode=offline", "log.wandb.project=obs-test", "log.wandb.tags=alpha, beta", "log.wandb.group=g1",
+      "run.name=obs"]
+PROFILED = ["profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2"]
+
+
+@pytest.fixture(scope="module")
+def observed_two_ranks(tmp_path_factory) -> tuple[Path, dict[int, tuple[str, str]]]:
+    """Two ranks under torchrun, TINY's 6 steps with W&B (WB's project, tags, group and name), the end-of-run
+    report and the profiler on, each rank's stdout and stderr in files of its own (torchrun_per_rank). W&B asked
+    for online with a key but no reachable server: it records offline instead. The run directory and
+    {rank: (stdout, stderr)}: test_offline_wandb_records_under_the_run_dir_and_a_resume_continues_the_same_run and
+    test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile check the one run (neither changes it)."""
+    tmp = tmp_path_factory.mktemp("observed")
+    run_dir = tmp / "run"
     # A key but no reachable server: the run warns once and records offline instead, before the other rank,
     # waiting in its next collective, reaches a short dist.timeout_s (W&B's own init timeout is 90 s).
-    env = obs_env(tmp_path, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
-    first = run_train(run_dir, *wb, "log.wandb.mode=online", "train.steps=3", "dist.timeout_s=20", nproc=2, env=env)
-    assert "wandb online did not start" in first.stdout and "recording offline instead" in first.stdout
-    (piece1,) = offline_runs(run_dir)
-    run_id = latest_state(run_dir)["tracker"]["run_id"]
+    env = obs_env(tmp, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9")
+    out = torchrun_per_rank(run_dir, tmp / "torchrun-logs", *OBSERVED, *PROFILED, *WB, "log.wandb.mode=online",
+                            "dist.timeout_s=20", env=env)
+    return run_dir, out
+
+
+def test_offline_wandb_records_under_the_run_dir_and_a_resume_continues_the_same_run(tmp_path, observed_two_ranks):
+    first_dir, out = observed_two_ranks
+    (first, _), _ = out[0], out[1]  # rank 0's stdout
+    assert "wandb online did not start" in first and "recording offline instead" in first
+    (piece1,) = offline_runs(first_dir)
+    run_id = latest_state(first_dir)["tracker"]["run_id"]
     assert run_id and piece1.name.endswith(f"-{run_id}") and (piece1 / f"run-{run_id}.wandb").is_file()
-    assert f"upload with: wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in first.stdout
+    assert f"upload with: wandb sync {first_dir}/wandb/offline-run-*-{run_id}" in first
 
     recs = wandb_records(piece1 / f"run-{run_id}.wandb")
     (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
     assert (run.run_id, run.project, run.display_name, run.run_group) == (run_id, "obs-test", "obs", "g1")
     assert list(run.tags) == ["alpha", "beta"]
     uploaded = {i.key: json.loads(i.value_json) for i in run.config.update}
-    assert uploaded["train"]["steps"] == 3 and uploaded["log"]["wandb"]["project"] == "obs-test"  # resolved config
+    assert uploaded["train"]["steps"] == 6 and uploaded["log"]["wandb"]["project"] == "obs-test"  # resolved config
     history = wandb_history(recs)
-    assert [h["step"] for h in history if "train/loss" in h] == [1, 2, 3]
+    assert [h["step"] for h in history if "train/loss" in h] == [1, 2, 3, 4, 5, 6]
     assert all(h["perf/samples_per_s"] > 0 for h in history if "train/loss" in h)
     assert any("eval/accuracy" in h for h in history)
 
-    # The same command with more steps resumes: a second offline piece of the same W&B run.
-    second = run_train(run_dir, *wb, "train.steps=5", env=obs_env(tmp_path))
+    # The same command with more steps resumes (in a copy of the run: the fixture's is shared): a second offline
+    # piece of the same W&B run.
+    run_dir = copy_run(first_dir, tmp_path / "run")
+    second = run_train(run_dir, *WB, "train.steps=8", env=obs_env(tmp_path))
     assert "wandb online did not start" not in second.stdout
     pieces = offline_runs(run_dir)
     assert len(pieces) == 2 and all(p.name.endswith(f"-{run_id}") for p in pieces), pieces
     assert latest_state(run_dir)["tracker"]["run_id"] == run_id and summary(run_dir)["wandb_run_id"] == run_id
-    new = [p for p in pieces if p != piece1][0] / f"run-{run_id}.wandb"
+    new = [p for p in pieces if p.name != piece1.name][0] / f"run-{run_id}.wandb"
     steps = [h["step"] for h in wandb_history(wandb_records(new)) if "train/loss" in h]
-    assert steps == [4, 5], steps
+    assert steps == [7, 8], steps
 
     # Starting another run directory from this run's checkpoint is a new W&B run.
     other = tmp_path / "other"
-    proc = run_train(other, *wb, f"resume={run_dir}", "train.steps=6", "log.report=false", env=obs_env(tmp_path))
+    proc = run_train(other, *WB, f"resume={run_dir}", "train.steps=9", "log.report=false", env=obs_env(tmp_path))
     other_id = latest_state(other)["tracker"]["run_id"]
     assert other_id and other_id != run_id and f"a new W&B run, not {run_id}" in proc.stdout
     assert [p.name.endswith(f"-{other_id}") for p in offline_runs(other)] == [True]
@@ -143,10 +176,8 @@ def test_online_without_an_api_key_is_one_line_and_exit_2(tmp_path):
     assert not run_dir.exists()
 
 
-def test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile(tmp_path):
-    run_dir = tmp_path / "run"
-    out = torchrun_per_rank(run_dir, tmp_path / "torchrun-logs", *OBSERVED, "profile.enabled=true", "profile.wait=1",
-                            "profile.warmup=1", "profile.active=2", env=obs_env(tmp_path))  # W&B offline
+def test_two_ranks_throughput_fields_rank0_plain_lines_report_and_profile(observed_two_ranks):
+    run_dir, out = observed_two_ranks  # W&B offline (its online start failed), the report and the profiler on
     (out0, _), (out1, err1) = out[0], out[1]
     # Off a terminal rank 0 prints plain lines, one per log step; rank 1 prints nothing but warnings.
     assert len(re.findall(r"INFO step \d+/6 epoch 0 loss [\d.]+ lr \S+ [\d.]+ images/s", out0)) == 6, out0
@@ -323,7 +354,9 @@ def test_a_terminal_of_unknown_size_still_shows_the_bar(tmp_path):
 def test_wandb_continues_one_run_across_a_torchrun_restart_and_a_requeue(tmp_path):
     """A worker SIGKILLed (torchrun restarts the group from the last checkpoint), then a stop relaunched as a
     requeue would be: one W&B run in three offline pieces, each logging from the step it resumed at, the
-    steps after the checkpoint logged again with the values of the first time (the resume is exact)."""
+    steps after the checkpoint logged again with the values of the first time (the resume is exact). The
+    requeued job is one process (python -m train, paced as the first launch: the same config): the pieces'
+    promise is W&B's, which holds at any world size (the restart's piece is the several ranks')."""
     from tests.processes.test_stops import finish, launch, logged_steps, wait_for, workers
 
     run_dir = tmp_path / "run"
@@ -336,8 +369,7 @@ def test_wandb_continues_one_run_across_a_torchrun_restart_and_a_requeue(tmp_pat
     proc.send_signal(signal.SIGTERM)
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
-    rc, out, err = finish(launch(run_dir, *every))  # the requeued job
-    assert rc == 0, err[-3000:]
+    run_train(run_dir, *PACED, *every)  # the requeued job (exit 0 asserted)
 
     run_id = summary(run_dir)["wandb_run_id"]
     pieces = offline_runs(run_dir)

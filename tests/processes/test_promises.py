@@ -4,6 +4,7 @@ the world size changes. Real processes (python -m train, torchrun, the launcher)
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -81,11 +82,10 @@ def test_a_checkpoint_resumes_across_a_switch_of_optim_fused_and_keeps_the_runs_
     """optim.fused switched at each resume (one process, AdamW, 12 steps): fused to step 4, a new run from that
     checkpoint with per-parameter kernels to step 8, one from there fused again to the end. Each resume loads
     the saved moments and counters into the other kernels, each run keeps its own choice (as its checkpoints
-    say), and the end equals a run without a switch up to float rounding (the kernels round differently)."""
+    say), and the end equals a run without a switch up to float rounding (the kernels round differently): the
+    first run's, fused to its end (the chain's first segment is its first 4 steps)."""
     opts = ["optim.name=adamw", "optim.lr=0.002", "task.norm=group", "train.steps=12", "checkpoint.every=4",
             "checkpoint.keep=3"]
-    plain = tmp_path / "plain"
-    run_train(plain, *opts, "optim.fused=false")
     source = None
     for fused, at in ((True, 4), (False, 8), (True, 12)):
         run = tmp_path / f"to{at}"
@@ -94,6 +94,7 @@ def test_a_checkpoint_resumes_across_a_switch_of_optim_fused_and_keeps_the_runs_
         state = latest_state(run)
         assert {bool(g["fused"]) for g in state["optimizer"]["param_groups"]} == {fused}
         assert {float(st["step"]) for st in state["optimizer"]["state"].values()} == {12}
+    plain = tmp_path / "to4"  # fused to step 12 without a switch
     a, b = latest_state(plain), latest_state(tmp_path / "to12")
 
     def apart(x: torch.Tensor, y: torch.Tensor, share: float) -> bool:
@@ -167,32 +168,6 @@ def test_the_stop_budget_falls_back_to_torchruns_variables_with_stop_timeout_fir
     assert _stop_budget(STOP_TIMEOUT="40", PET_SHUTDOWN_TIMEOUT="45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50") == "40"
 
 
-@pytest.mark.parametrize("strategy", [["dist.strategy=ddp"], ["dist.strategy=hsdp", "dist.shard_size=1"]],
-                         ids=["ddp", "hsdp"])
-def test_ranks_in_sync_says_false_when_one_rank_holds_other_weights(tmp_path, strategy):
-    """Rank 1 alone moves one element of one parameter by the smallest float step after the last optimizer
-    step (a sitecustomize in that process): summary.json says the ranks are not in sync. Under DDP, and under
-    HSDP in groups of one rank, where rank 1's shard is a replica of rank 0's."""
-    env = after_import(tmp_path, "train.trainer", """
-import os
-import torch
-if os.environ.get("RANK") == "1":
-    real = module.train_step
-    def train_step(training, *args, **kwargs):
-        loss = real(training, *args, **kwargs)
-        if training.state.step == training.cfg.train.steps:
-            with torch.no_grad():
-                w = next(training.state.model.parameters())
-                w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)  # HSDP: this rank's shard
-                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
-        return loss
-    module.train_step = train_step
-""")
-    run = tmp_path / "run"
-    run_train(run, "train.steps=2", *strategy, nproc=2, env=env)
-    assert summary(run)["ranks_in_sync"] is False, summary(run)
-
-
 MICRO, GLOBAL, SAMPLES = 4, 24, 64  # 24 divides over 1, 2 and 3 ranks
 
 
@@ -248,19 +223,76 @@ def reads_by_epoch(folder: Path) -> dict[int, list[int]]:
     return by_epoch
 
 
-def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_path):
+# A sitecustomize patch (conftest.after_import) of train.trainer: rank 1 alone moves one element of one parameter by
+# the smallest float step after the last optimizer step of its launch (train.steps), in the copy it holds (HSDP: its
+# shard). A process without RANK (a single `python -m train`) trains as usual.
+NUDGE_RANK_1 = """
+import os
+import torch
+if os.environ.get("RANK") == "1":
+    real = module.train_step
+    def train_step(training, *args, **kwargs):
+        loss = real(training, *args, **kwargs)
+        if training.state.step == training.cfg.train.steps:
+            with torch.no_grad():
+                w = next(training.state.model.parameters())
+                w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)  # HSDP: this rank's shard
+                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+        return loss
+    module.train_step = train_step
+"""
+
+# The strategy of each segment of SEGMENTS: DDP on 2 ranks, HSDP in groups of one rank on 3 (each rank's shard a
+# replica of the others': they must agree), the checkpoint resharded as it loads (a relaunch's "applied" rule).
+STRATEGIES = {"ddp": ["dist.strategy=ddp"], "hsdp": ["dist.strategy=hsdp", "dist.shard_size=1"]}
+SEGMENT_STRATEGY = ["ddp", "ddp", "hsdp"]
+
+
+def after_imports(tmp_path: Path, patches: dict[str, str]) -> dict:
+    """conftest.after_import for several modules at once: the one sitecustomize.py a process runs runs each
+    module's (made by after_import) in a namespace of its own."""
+    files = []
+    for i, (module, patch) in enumerate(patches.items()):
+        (tmp_path / f"patch-{i}").mkdir()
+        after_import(tmp_path / f"patch-{i}", module, patch)
+        files.append(tmp_path / f"patch-{i}" / "site" / "sitecustomize.py")
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("".join(
+        f"exec(compile(open({str(f)!r}).read(), {str(f)!r}, 'exec'), {{'__name__': 'sitecustomize_{i}'}})\n"
+        for i, f in enumerate(files)))
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def world_changes(tmp_path_factory) -> tuple[Path, Path, list[dict]]:
+    """One run over SEGMENTS (2 -> 1 -> 3 ranks across an epoch boundary, SEGMENT_STRATEGY's strategies), every
+    training sample each rank reads recorded (RECORD_READS: in READS_DIR) and rank 1 nudged after the last step
+    of each launch (NUDGE_RANK_1). The run, the reads' folder and each launch's summary.json: for
+    test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes and
+    test_ranks_in_sync_says_false_when_one_rank_holds_other_weights (a launch of 2 ranks under DDP, one of 3
+    under HSDP)."""
+    tmp = tmp_path_factory.mktemp("world-changes")
+    reads_dir = tmp / "reads"
+    reads_dir.mkdir()
+    env = after_imports(tmp, {"train.parallel.data": RECORD_READS, "train.trainer": NUDGE_RANK_1})
+    env["READS_DIR"] = str(reads_dir)
+    run, summaries = tmp / "run", []
+    for (world, steps), strategy in zip(SEGMENTS, SEGMENT_STRATEGY, strict=True):
+        run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}", "task.image_size=8",
+                  f"task.train_samples={SAMPLES}", f"train.steps={steps}", *STRATEGIES[strategy], nproc=world, env=env)
+        summaries.append(summary(run))
+    return run, reads_dir, summaries
+
+
+def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(world_changes):
     """Every training sample read (the data set's __getitem__, wrapped by a sitecustomize: num_workers=0, so
     in the rank processes) by every rank of every segment, 2 -> 1 -> 3 ranks across an epoch boundary: in
     each epoch, each sample at most once: the start of torch's DistributedSampler permutation of the epoch
     (seeded by seed + epoch), as far as the world sizes read it (none skipped but the last tail)."""
-    reads_dir = tmp_path / "reads"
-    reads_dir.mkdir()
-    env = after_import(tmp_path, "train.parallel.data", RECORD_READS)
-    env["READS_DIR"] = str(reads_dir)
-    run = tmp_path / "run"
-    for world, steps in SEGMENTS:
-        run_train(run, f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}", "task.image_size=8",
-                  f"task.train_samples={SAMPLES}", f"train.steps={steps}", nproc=world, env=env)
+    run, reads_dir, _ = world_changes
     by_epoch: dict[int, list[int]] = {}
     processes = list(reads_dir.iterdir())
     ranks = set()
@@ -281,3 +313,16 @@ def test_the_ranks_read_each_sample_once_an_epoch_across_world_size_changes(tmp_
             f"epoch {epoch}: {len(read)} read, {len(wanted)} expected; not read: {sorted(set(wanted) - set(read))}; "
             f"read, not expected: {sorted(set(read) - set(wanted))}")
     assert summary(run)["steps"] == SEGMENTS[-1][1] and summary(run)["world_size"] == SEGMENTS[-1][0]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
+def test_ranks_in_sync_says_false_when_one_rank_holds_other_weights(world_changes, strategy):
+    """Rank 1 alone moves one element of one parameter by the smallest float step after the last optimizer
+    step (a sitecustomize in that process, NUDGE_RANK_1): summary.json says the ranks are not in sync. Under DDP
+    (2 ranks), and under HSDP in groups of one rank (3), where rank 1's shard is a replica of rank 0's: launches
+    of world_changes' run."""
+    launch = {"ddp": 0, "hsdp": 2}[strategy]  # the launch of SEGMENTS under that strategy with rank 1 in it
+    assert SEGMENT_STRATEGY[launch] == strategy
+    s = world_changes[2][launch]
+    assert s["world_size"] == SEGMENTS[launch][0] > 1 and s["steps"] == SEGMENTS[launch][1], s
+    assert s["ranks_in_sync"] is False, s

@@ -93,33 +93,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(tmp_path, finished_16_steps):
-    """The restart's workers are the standbys that waited beside round 1 (no import on the way back); round 2's
-    own standbys (a restart is left) end with torchrun; the run ends as one never killed, bit for bit."""
-    ref, hit = finished_16_steps, tmp_path / "hit"  # LONG's run uninterrupted
-    proc = launch(hit, "--nproc-per-node=2", "--max-restarts=2")
-    rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
-    agent = torchrun(proc.pid)
-    waiting = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "two standbys")
-    wait_for(lambda: reached(hit, 6), 120, "step 6")  # step 5's save is over; step 10 is 4 paced steps away
-    os.kill(rank1, signal.SIGKILL)
-    second = wait_for(lambda: w if len(w := workers(hit)) == 2 and rank1 not in w.values() else None, 120, "round 2")
-    assert sorted(second.values()) == sorted(waiting), (second, waiting)
-    spare = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "round 2's standbys")
-    try:
-        out, err = proc.communicate(timeout=240)  # not finish(), which would end what the launch left itself
-    finally:
-        left = [p for p in spare if not _gone(p)]
-        kill_family(proc.pid)
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
-    assert not left, f"round 2's standbys outlived torchrun: {left}"
-    assert "resumed from" in out and "at step 5" in out  # the latest checkpoint before the kill
-    assert_same_state(latest_state(ref), latest_state(hit))
-    assert train_losses(ref) == train_losses(hit)
-
-
 class _Lines:
     """A pipe read line by line on a thread, each line with the time it arrived."""
 
@@ -132,50 +105,108 @@ class _Lines:
         for line in pipe:
             self.lines.append((time.time(), line))
 
-    def seen(self, text: str, timeout: float) -> float:
+    def seen(self, text: str, timeout: float, after: float = 0.0) -> float:
+        """When the first line holding `text` that arrived after `after` arrived."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if found := next((t for t, line in list(self.lines) if text in line), None):
+            if found := next((t for t, line in list(self.lines) if t >= after and text in line), None):
                 return found
             time.sleep(0.1)
         raise AssertionError(f"{text!r} not seen within {timeout} s:\n{''.join(x for _, x in self.lines)[-3000:]}")
 
-    def text(self) -> str:
+    def text(self, after: float = 0.0) -> str:
         self.thread.join(timeout=30)
-        return "".join(line for _, line in self.lines)
+        return "".join(line for t, line in self.lines if t >= after)
 
 
-def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(tmp_path):
+# The hang's collective timeout: rank 0 gives up this long after its collective started.
+HANG_TIMEOUT_S = 5
+
+
+class _Chain:
+    """What killed_then_hung saw, for its two tests to check."""
+
+
+@pytest.fixture(scope="module")
+def killed_then_hung(tmp_path_factory) -> _Chain:
+    """One launch of 2 ranks (--max-restarts=3) that two failures restart, each caught by its own test:
+    rank 1 SIGKILLed after step 6 (the group restarts from step 5's checkpoint: the round-1 standbys are round 2's
+    workers), then round 2's rank 1 frozen (SIGSTOP) after step 11, which the hang report names and the launcher
+    kills (the group restarts from step 10's). The run goes on to its end: 16 steps, as LONG's. What it saw, in a
+    _Chain: test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical and
+    test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts."""
+    chain = _Chain()
+    chain.hit = hit = tmp_path_factory.mktemp("killed-then-hung") / "hit"
+    proc = launch(hit, "--nproc-per-node=2", "--max-restarts=3",
+                  overrides=[*TINY, *PACED, "train.steps=16", "checkpoint.every=5", f"dist.timeout_s={HANG_TIMEOUT_S}"])
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    spare = []
+    try:
+        rank1 = wait_for(lambda: workers(hit).get(1), 120, "rank 1")  # found first: the kill follows the step at once
+        agent = torchrun(proc.pid)
+        chain.waiting = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "two standbys")
+        wait_for(lambda: reached(hit, 6), 120, "step 6")  # step 5's save is over; step 10 is 4 paced steps away
+        os.kill(rank1, signal.SIGKILL)
+        chain.second = wait_for(lambda: w if len(w := workers(hit)) == 2 and rank1 not in w.values() else None, 120,
+                                "round 2")
+        chain.waiting2 = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "round 2's standbys")
+        # The hang, in round 2: step 10's save is over; step 15 is 4 paced steps away.
+        frozen = chain.second[1]
+        wait_for(lambda: reached(hit, 11), 120, "step 11 in round 2")
+        os.kill(frozen, signal.SIGSTOP)  # hung: it ignores the SIGTERM too, until SIGKILLed
+        chain.stopped_at = stopped_at = time.time()
+        timed_out = f"collective timed out after dist.timeout_s={HANG_TIMEOUT_S} s"
+        chain.detected = err.seen(timed_out, 120, after=stopped_at) - stopped_at
+        chain.killed = err.seen(f"launch: rank 1 (pid {frozen}) did not answer the hang report: killed", 60,
+                                after=stopped_at) - stopped_at
+        chain.restarted = out.seen("resumed from", 180, after=stopped_at) - stopped_at
+        chain.third = wait_for(lambda: w if len(w := workers(hit)) == 2 and not {*w.values()} & {*chain.second.values()}
+                               else None, 120, "round 3")
+        spare = wait_for(lambda: s if len(s := standbys(agent)) == 2 else None, 60, "round 3's standbys")
+        chain.returncode = proc.wait(timeout=240)  # not finish(), which would end what the launch left itself
+    finally:
+        chain.left = [p for p in spare if not _gone(p)]
+        kill_family(proc.pid)
+        proc.wait()
+        for p in chain.left:
+            os.kill(p, signal.SIGKILL)
+    chain.out, chain.err = out.text(), err.text()
+    chain.timed_out_lines = [ln for ln in err.text(after=stopped_at).splitlines() if timed_out in ln]
+    return chain
+
+
+def test_sigkilled_worker_is_restarted_and_the_run_ends_bitwise_identical(killed_then_hung, finished_16_steps):
+    """The restart's workers are the standbys that waited beside round 1 (no import on the way back); the last
+    round's own standbys (a restart is left) end with torchrun; the run ends as one never killed, bit for bit
+    (killed_then_hung: a hang restarts it once more on the way)."""
+    ref, chain = finished_16_steps, killed_then_hung  # LONG's run uninterrupted
+    hit, err = chain.hit, chain.err
+    assert sorted(chain.second.values()) == sorted(chain.waiting), (chain.second, chain.waiting)
+    assert sorted(chain.third.values()) == sorted(chain.waiting2), (chain.third, chain.waiting2)  # (after the hang)
+    assert chain.returncode == 0, err[-3000:]
+    assert not chain.left, f"the last round's standbys outlived torchrun: {chain.left}"
+    assert "resumed from" in chain.out and "at step 5" in chain.out  # the latest checkpoint before the kill
+    assert_same_state(latest_state(ref), latest_state(hit))
+    assert train_losses(ref) == train_losses(hit)
+
+
+def test_hung_rank_fails_the_others_within_the_timeout_then_the_group_restarts(killed_then_hung):
+    """A rank frozen mid-run (killed_then_hung's round 2): the others give up at dist.timeout_s, the launcher
+    kills the frozen one, and the group restarts from the last checkpoint."""
     # torch 2.14's torchrun stops a failed group with a fixed 30 s grace before SIGKILL (its _stop_workers
     # ignores --shutdown-timeout), which a frozen rank would wait out: the launcher kills it once the hang
     # report names it as not answering (train/parallel/hang.py)
-    timeout_s, torchrun_grace_s = 5, 30
-    proc = launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1",
-                  overrides=[*TINY, *PACED, "train.steps=16", "checkpoint.every=4", f"dist.timeout_s={timeout_s}"])
-    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-    try:
-        rank1 = wait_for(lambda: workers(tmp_path).get(1), 120, "rank 1")
-        wait_for(lambda: reached(tmp_path, 6), 120, "step 6")
-        os.kill(rank1, signal.SIGSTOP)  # hung: it ignores the SIGTERM too, until SIGKILLed
-        stopped_at = time.time()
-        detected = err.seen(f"collective timed out after dist.timeout_s={timeout_s} s", 120) - stopped_at
-        killed = err.seen(f"launch: rank 1 (pid {rank1}) did not answer the hang report: killed", 60) - stopped_at
-        restarted = out.seen("resumed from", 180) - stopped_at
-        assert proc.wait(timeout=240) == 0, err.text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            kill_family(proc.pid)
-            proc.wait()
-    timed_out = f"collective timed out after dist.timeout_s={timeout_s} s"
-    line = next(ln for ln in err.text().splitlines() if timed_out in ln)
-    assert line.startswith("[rank 0] error:")
+    chain, timeout_s, torchrun_grace_s = killed_then_hung, HANG_TIMEOUT_S, 30
+    detected, killed, restarted = chain.detected, chain.killed, chain.restarted
+    assert chain.returncode == 0, chain.err[-3000:]
+    assert chain.timed_out_lines[0].startswith("[rank 0] error:"), chain.timed_out_lines
     # rank 0 gives up dist.timeout_s after its collective started (at most a step after the hang), not after
     # the 10-minute default; the restart follows after torchrun's grace (the hung rank is SIGKILLed) and a
     # start-up
     assert timeout_s - 1 <= detected <= timeout_s + 10, detected
     assert killed < detected + torchrun_grace_s / 2 and restarted <= killed + 60, (detected, killed, restarted)
     print(f"detected {detected:.1f} s after the hang, killed {killed:.1f} s, restarted {restarted:.1f} s after it")
-    assert summary(tmp_path)["steps"] == 16 and "resumed from" in out.text()
+    assert summary(chain.hit)["steps"] == 16 and "at step 10" in chain.out  # the checkpoint before the hang
 
 
 HELD_TASK = '''
@@ -324,9 +355,9 @@ def test_port_in_use_and_rendezvous_timeout_are_explained(tmp_path):
 
 
 def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried(tmp_path):
-    """16 samples per step cannot be split evenly over 3 ranks. A fixed world is checked by the launcher
-    before torchrun starts; an elastic one by the workers, whose usage error the launcher does not let
-    torchrun retry."""
+    """A global batch that cannot be split evenly over the ranks (16 samples a step over 3 ranks; 15 over 2). A
+    fixed world is checked by the launcher before torchrun starts; an elastic one by the workers, whose usage
+    error the launcher does not let torchrun retry."""
     wrong = ("error: train.global_batch_size=16 does not split evenly over 3 ranks (each rank takes an equal share of "
              "every step): run 2 or 4 ranks, or set train.global_batch_size=15 or 18 (a multiple of 3)")
     fixed = subprocess.run([PY, "-m", "train.launch", "--nproc-per-node=3", "--", "--config", "configs/default.yaml",
@@ -334,10 +365,13 @@ def test_a_batch_that_does_not_divide_the_world_is_one_usage_error_never_retried
                            text=True, timeout=60)
     assert fixed.returncode == 2 and fixed.stderr.strip() == wrong, fixed.stderr
     # torchrun's agent says at INFO when it forms a worker group and when it restarts one: the proof that it
-    # did not retry (a wall-time bound was one, until a busy machine took 31 s for the one round).
-    elastic = launch(tmp_path / "elastic", "--nnodes=1:2", "--nproc-per-node=3", "--max-restarts=3",
-                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1", overrides=TINY,
-                     env=clean_env(LOGLEVEL="INFO"))
+    # did not retry (a wall-time bound was one, until a busy machine took 31 s for the one round). Two workers
+    # (and their standbys: --max-restarts) are enough for a world the batch does not divide.
+    wrong = ("error: train.global_batch_size=15 does not split evenly over 2 ranks (each rank takes an equal share of "
+             "every step): run 1 or 3 ranks, or set train.global_batch_size=14 or 16 (a multiple of 2)")
+    elastic = launch(tmp_path / "elastic", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
+                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1",
+                     overrides=[*TINY, "train.global_batch_size=15"], env=clean_env(LOGLEVEL="INFO"))
     rc, out, err = finish(elastic, 120)
     assert rc == 2, err[-3000:]
     assert err.strip().splitlines()[-1] == f"{wrong} (found by the workers; not retried)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -173,23 +174,88 @@ def _with_master(job: dict) -> dict:
     return job
 
 
-@pytest.mark.parametrize("variant", ["as written", "with a Master replica"])
-def test_replicas_train_together_with_the_operators_environment(tmp_path, variant, make_hosts):
+def _configmap_from_a_task_file(tmp: Path, mount: str) -> Path:
+    """docs/kubernetes.md's ConfigMap form, made as the page says: `kubectl create configmap` from a task file
+    (examples/regression.py as my_task.py) and its config (task.name: that file where the jobs mount the
+    ConfigMap, `mount`), written over a copy of k8s/'s configmap.yaml: that copy of k8s/."""
+    if not shutil.which("kubectl"):
+        required("kubectl", "not installed")
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    shutil.copy(ROOT / "examples" / "regression.py", tasks / "my_task.py")
+    cfg = yaml.safe_load((ROOT / "examples" / "regression.yaml").read_text())
+    cfg["task"]["name"] = f"{mount}/my_task.py:Regression"
+    cfg["train"].update(steps=4, log_every=1)
+    cfg.update(log={"wandb": {"mode": "disabled"}, "report": False})
+    (tasks / "my.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(["kubectl", "create", "configmap", "ddp-template-config",
+                           "--from-file=train.yaml=tasks/my.yaml", "--from-file=tasks/my_task.py",
+                           "--dry-run=client", "-o", "yaml"],
+                          cwd=tmp, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp / "k8s"
+    shutil.copytree(K8S, folder, ignore=shutil.ignore_patterns("trainjob"))
+    (folder / "configmap.yaml").write_text(proc.stdout)  # `... -o yaml > k8s/configmap.yaml`, as the page says
+    return folder
+
+
+class _Job:
+    """A PyTorchJob's pods run to their end: the job, its pods' results ({name: (exit code, log)}), its PVCs'
+    folders, the folder its objects came from."""
+
+    def __init__(self, job: dict, results: dict[str, tuple[int, str]], claims: dict[str, Path], folder: Path):
+        self.job, self.results, self.claims, self.folder = job, results, claims, folder
+
+
+def _run_on_hosts(job: dict, tmp: Path, make_hosts, folder: Path = K8S, extra: list[str] | None = None) -> _Job:
     """Each pod on a real host named as the pod; pods start last first, 5 s apart, and a pod's name
     resolves only once it runs (worker-0, the rendezvous host, comes last)."""
-    job = _job() if variant == "as written" else _with_master(_job())
-    policy = job["spec"]["elasticPolicy"]
     assert job["spec"]["nprocPerNode"] == "1", "this test runs one CPU process per pod"
     hosts = make_hosts(*pod_names(job), introduce=False)
-    nodes, claims = replica_nodes(job, tmp_path, real_hosts=True)
+    nodes, claims = replica_nodes(job, tmp, real_hosts=True, folder=folder, extra=extra)
     assert len(nodes) == 2
-    port = next(p["containerPort"] for p in _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])["ports"]
-                if p.get("name") == "pytorchjob-port")
     for node in nodes:
         print(f"{node.name}: " + " ".join(f"{k}={v}" for k, v in sorted(node.env.items())
                                           if k.startswith(("PET_", "MASTER_")) or k in ("RANK", "WORLD_SIZE"))
               + f" {quoted(node.argv)}")
-    results = run_nodes(nodes, hosts=hosts, stagger=5)
+    return _Job(job, run_nodes(nodes, hosts=hosts, stagger=5), claims, folder)
+
+
+@pytest.fixture(scope="module")
+def task_file_job(tmp_path_factory) -> _Job:
+    """The PyTorchJob as written, its ConfigMap the one docs/kubernetes.md makes from a task file
+    (_configmap_from_a_task_file), its two pods on real hosts to the end (4 steps): what
+    test_replicas_train_together_with_the_operators_environment[as written] and
+    test_a_task_file_in_the_configmap_trains_in_the_pods check, one job for both."""
+    tmp = tmp_path_factory.mktemp("task-file-job")
+    job = _job()
+    c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
+    folder = _configmap_from_a_task_file(tmp, mount)
+    from tests.hosts import make_hosts_fixture
+
+    hosts = make_hosts_fixture()  # (the make_hosts fixture, for this module)
+    try:
+        yield _run_on_hosts(job, tmp / "pods", next(hosts), folder=folder, extra=[])
+    finally:
+        next(hosts, None)  # its hosts removed
+
+
+@pytest.mark.parametrize("variant", ["as written", "with a Master replica"])
+def test_replicas_train_together_with_the_operators_environment(tmp_path, variant, make_hosts, request):
+    """Each pod on a real host named as the pod; pods start last first, 5 s apart, and a pod's name
+    resolves only once it runs (worker-0, the rendezvous host, comes last). As written, the job trains the
+    task file of docs/kubernetes.md's ConfigMap (the task_file_job, which
+    test_a_task_file_in_the_configmap_trains_in_the_pods checks too); with a Master replica, k8s/configmap.yaml's
+    config on the tiny CPU overrides."""
+    if variant == "as written":
+        ran, steps = request.getfixturevalue("task_file_job"), 4
+    else:
+        ran, steps = _run_on_hosts(_with_master(_job()), tmp_path, make_hosts), 6
+    job, results = ran.job, ran.results
+    policy = job["spec"]["elasticPolicy"]
+    port = next(p["containerPort"] for p in _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])["ports"]
+                if p.get("name") == "pytorchjob-port")
     if variant == "as written":  # worker-1 started 5 s before worker-0: it waited, then trained. Whether its
         # first probe found the name not resolving yet or the port not open yet depends on how long it took
         # to start (over 5 s on a loaded 2-core machine): either is waiting for the rendezvous host.
@@ -207,50 +273,32 @@ def test_replicas_train_together_with_the_operators_environment(tmp_path, varian
         assert f"--rdzv-endpoint=ddp-template-worker-0:{policy.get('rdzvPort') or port}" in torchrun.split(), torchrun
     c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
-    s = summary(claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
-    assert s["world_size"] == 2 and s["steps"] == 6 and s["ranks_in_sync"], s
+    s = summary(ran.claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs"))
+    assert s["world_size"] == 2 and s["steps"] == steps and s["ranks_in_sync"], s
 
 
-def test_a_task_file_in_the_configmap_trains_in_the_pods(tmp_path):
+def test_a_task_file_in_the_configmap_trains_in_the_pods(task_file_job):
     """docs/kubernetes.md's ConfigMap form: `kubectl create configmap` from a task file (examples/regression.py
     as my_task.py) and its config, whose task.name is that file where both jobs mount the ConfigMap; the
     ConfigMap validates as Kubernetes would and replaces k8s/configmap.yaml; then the PyTorchJob's two pods
-    train the task, with the operator's environment and the loader workers unpickling its data sets."""
-    if not shutil.which("kubectl"):
-        required("kubectl", "not installed")
-    job, (trainjob_pod, trainjob_c) = _job(), trainer_pod(_trainjob(), _runtime())
+    train the task, with the operator's environment and the loader workers unpickling its data sets (on real
+    hosts: task_file_job, which test_replicas_train_together_with_the_operators_environment[as written] checks
+    too)."""
+    job, (trainjob_pod, trainjob_c) = task_file_job.job, trainer_pod(_trainjob(), _runtime())
     c = _container(job["spec"]["pytorchReplicaSpecs"]["Worker"])
     mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
     pods = (job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], trainjob_pod)
     for pod, container in zip(pods, (c, trainjob_c), strict=True):  # both jobs mount ddp-template-config at one folder
         volume = next(m for m in container["volumeMounts"] if m["mountPath"] == mount)["name"]
         assert next(v for v in pod["volumes"] if v["name"] == volume)["configMap"]["name"] == "ddp-template-config"
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    shutil.copy(ROOT / "examples" / "regression.py", tasks / "my_task.py")
-    cfg = yaml.safe_load((ROOT / "examples" / "regression.yaml").read_text())
-    cfg["task"]["name"] = f"{mount}/my_task.py:Regression"
-    cfg["train"].update(steps=4, log_every=1)
-    cfg.update(log={"wandb": {"mode": "disabled"}, "report": False})
-    (tasks / "my.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(["kubectl", "create", "configmap", "ddp-template-config",
-                           "--from-file=train.yaml=tasks/my.yaml", "--from-file=tasks/my_task.py",
-                           "--dry-run=client", "-o", "yaml"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    configmap = yaml.safe_load(proc.stdout)
+    configmap = yaml.safe_load((task_file_job.folder / "configmap.yaml").read_text())  # kubectl's output
     assert set(configmap["data"]) == {"train.yaml", "my_task.py"}
     kv = _kubernetes_validate()
     kv.validate(configmap, kv.latest_version(), strict=True)
-    folder = tmp_path / "k8s"
-    shutil.copytree(K8S, folder, ignore=shutil.ignore_patterns("trainjob"))
-    (folder / "configmap.yaml").write_text(proc.stdout)  # `... -o yaml > k8s/configmap.yaml`, as the page says
-    nodes, claims = replica_nodes(job, tmp_path / "pods", folder=folder, extra=[])
-    results = run_nodes(nodes)
-    for name, (code, log) in results.items():
+    for name, (code, log) in task_file_job.results.items():
         assert code == 0, f"{name} exited {code}\n{log[-4000:]}"
     run_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("run.dir="))
-    run = claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs")
+    run = task_file_job.claims["ddp-template-runs"] / Path(run_dir).relative_to("/runs")
     s = summary(run)
     assert s["world_size"] == 2 and s["steps"] == 4 and s["ranks_in_sync"], s
     assert "volumes/config/my_task.py:Regression" in (run / "config.yaml").read_text()
@@ -433,8 +481,12 @@ def test_exit_codes_of_real_pods_meet_the_policy(tmp_path):
 def test_2x8gpu_pods_dry_run_16_ranks_with_their_controllers_environment(tmp_path):
     """Each pod of the 2 nodes x 8 GPUs variants, its command as the image runs it with the environment its
     controller injects (the operator's; the trainer's torch plugin), in the launcher's dry run: the torchrun
-    command it would start, and the batch arithmetic of its 16 ranks checked (16 ranks cannot run here)."""
+    command it would start, and the batch arithmetic of its 16 ranks checked (16 ranks cannot run here). The
+    first pod of each job runs `--dry-run` itself; every pod's command and check are also composed in this
+    process as the launcher does (train/launch/command.py), which those dry runs show to be what they print."""
     from tests.quick.test_k8s import PYTORCHJOB_8, TRAINJOB_8
+    from train.errors import ConfigError
+    from train.launch.command import check_training_args, check_world, parse_args, resolve, torchrun_command
 
     job = _job(PYTORCHJOB_8)
     nodes, _ = replica_nodes(job, tmp_path / "pytorchjob", real_hosts=True, folder=PYTORCHJOB_8, extra=[])
@@ -451,15 +503,36 @@ def test_2x8gpu_pods_dry_run_16_ranks_with_their_controllers_environment(tmp_pat
                 "node": ["--nnodes=2", "--nproc-per-node=8", "--rdzv-id=ddp-template-2x8gpu",
                          f"--rdzv-endpoint={name}-node-0-0.{name}:29500"]}
     assert len(nodes) == 4
+    bad_batch = "train.global_batch_size=40"  # a global batch 16 ranks cannot share
+
+    def dry_run(argv: list[str], env: dict) -> tuple[list[str], str | None]:
+        """`python -m train.launch --dry-run ARGV`'s torchrun command and usage error (None: none), composed in
+        this process as the launcher composes and checks them (launcher.py's _main)."""
+        args, train_args = parse_args(argv)
+        cmd = torchrun_command(resolve(args, env), train_args)
+        try:
+            check_world(check_training_args(train_args), cmd)
+        except ConfigError as e:
+            return cmd, f"error: {e}"
+        return cmd, None
+
     for node in nodes:
-        argv = [*node.argv[:3], "--dry-run", *node.argv[3:]]  # after the entrypoint, python -m train.launch
-        proc = subprocess.run(argv, cwd=ROOT, env=node.env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{node.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
-        torchrun = next(line for line in proc.stderr.splitlines() if line.startswith("+ ")).split()
-        print(f"{node.name}: {' '.join(torchrun)}")
+        assert node.argv[1:3] == ["-m", "train.launch"], node.argv  # the entrypoint: python -m train.launch
+        torchrun, error = dry_run(node.argv[3:], node.env)
+        assert error is None, (node.name, error)
+        print(f"{node.name}: {shlex.join(torchrun)}")
         for arg in expected[node.name.split("-")[0]]:
             assert arg in torchrun, (node.name, arg, torchrun)
         # A global batch 16 ranks cannot share is refused by the same dry run, in one line, exit 2.
-        bad = subprocess.run([*argv, "train.global_batch_size=40"], cwd=ROOT, env=node.env, capture_output=True,
-                             text=True, timeout=300)
-        assert bad.returncode == 2 and "does not split evenly over 16 ranks" in bad.stderr, bad.stderr[-2000:]
+        _, bad = dry_run([*node.argv[3:], bad_batch], node.env)
+        assert bad is not None and "does not split evenly over 16 ranks" in bad, (node.name, bad)
+        if node.name not in ("worker-0", "node-0-0"):
+            continue
+        # The first pod of each job: the launcher's own dry run prints that command, and refuses the batch so.
+        argv = [*node.argv[:3], "--dry-run", *node.argv[3:]]  # after the entrypoint, python -m train.launch
+        proc = subprocess.run(argv, cwd=ROOT, env=node.env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{node.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        assert next(line for line in proc.stderr.splitlines() if line.startswith("+ ")) == "+ " + shlex.join(torchrun)
+        refused = subprocess.run([*argv, bad_batch], cwd=ROOT, env=node.env, capture_output=True, text=True,
+                                 timeout=300)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == bad, refused.stderr[-2000:]
