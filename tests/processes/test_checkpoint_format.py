@@ -33,7 +33,7 @@ from tests.conftest import (
 from tests.processes.test_promises import RECORD_READS, reads_by_epoch
 from tests.procs import children, environ, is_stopped, wait_for
 from train import config, export, optim
-from train.checkpoint import dcp_io, storage
+from train.checkpoint import convert, dcp_io, storage
 
 
 def _rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
@@ -45,7 +45,8 @@ def _rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
 
 def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint(tmp_path):
     """Rank 1 is killed while a checkpoint folder is being written (rank 1's share in it or not yet): the
-    dead save never counts, `latest` names the one before, and the relaunch resumes from it."""
+    dead save never counts, `latest` names the one before, and the relaunch (one process: DCP reads both ranks'
+    shares) resumes from it."""
     ckpts = tmp_path / "checkpoints"
     args = [BUILT_IN, "checkpoint.every=1", "checkpoint.keep=2", "train.steps=200"]  # ResNet-18's 90 MB saves
     proc = subprocess.Popen(train_cmd(tmp_path, *args, nproc=2), cwd=ROOT, env=clean_env(),
@@ -71,7 +72,7 @@ def test_sigkill_of_rank_1_during_a_sharded_save_resumes_the_previous_checkpoint
     name = (ckpts / "latest").read_text().strip()
     assert int(name[5:]) < int(killed.name[6:14]), (name, killed.name)  # `latest` names the save before
     step = latest_state(tmp_path)["step"]  # checks every file's CRC, loads with weights_only
-    resumed = run_train(tmp_path, BUILT_IN, "checkpoint.every=0", f"train.steps={step + 1}", nproc=2)
+    resumed = run_train(tmp_path, BUILT_IN, "checkpoint.every=0", f"train.steps={step + 1}")
     assert f"resumed from {ckpts / name} at step {step}" in resumed.stdout, resumed.stdout
     assert not list(ckpts.glob(".*.tmp*"))  # the dead save's leftovers are gone
     assert summary(tmp_path)["steps"] == step + 1
@@ -253,7 +254,7 @@ def _old_checkpoint(run_dir, step: int) -> dict:
     return state
 
 
-def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted(tmp_path):
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_converted(tmp_path, capsys):
     old = _old_checkpoint(tmp_path, 2)
     proc = run_train(tmp_path, "train.steps=4", expect=2)
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -261,9 +262,11 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line_until_convert
         f"project (one .pt file): convert it with `python -m train.checkpoint --convert {tmp_path / 'checkpoints'}`, "
         f"then resume"), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
-    proc = subprocess.run([PY, "-m", "train.checkpoint", "--convert", str(tmp_path)], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "converted 1 checkpoint(s)" in proc.stdout, proc.stderr
+    # The command the line names, its main() in this process (the command itself: tests/processes/test_compat.py).
+    capsys.readouterr()
+    assert convert.main(["--convert", str(tmp_path)]) == 0
+    said = capsys.readouterr()
+    assert "converted 1 checkpoint(s)" in said.out and said.err == "", said
     new = latest_state(tmp_path)  # the converted folder: the same tensors, by parameter name
     assert all(torch.equal(v, new["model"][k]) for k, v in old["model"].items())
     first = new["optimizer"]["param_groups"][0]["params"][0]

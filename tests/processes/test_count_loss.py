@@ -21,10 +21,10 @@ SEQ = 16  # tokens a window: a conversation of L tokens has ceil((L - 1) / 16) w
 # fp32, the nano GPT, a global batch of 4 windows, 4 steps; a loss logged each step
 COUNTED = [f"task.seq_len={SEQ}", "task.model=nano", "train.global_batch_size=4", "train.precision=fp32",
            "train.steps=4", "train.log_every=1", "optim.warmup_steps=1", "checkpoint.every=2", "checkpoint.keep=2"]
-# (ranks, micro-batch size, dist.strategy): 1 to 4 passes a rank; FSDP's reduce-scatter averages as DDP does. One
-# rank in 2 passes of 2 is the 1-rank resume's (test_packed_windows_resume...: its steps 3 and 4 against the 2-rank
-# run's losses).
-SPLITS = [(1, 4, "ddp"), (1, 1, "ddp"), (2, 1, "ddp"), (4, 1, "ddp"), (2, 1, "fsdp")]
+# (ranks, micro-batch size, dist.strategy): 1 to 4 passes a rank; FSDP's reduce-scatter (on 4 ranks, a pass each)
+# averages as DDP's all-reduce (on 2, two passes each) does. One rank in 2 passes of 2 is the 1-rank resume's
+# (test_packed_windows_resume...: its steps 3 and 4 against the 2-rank run's losses).
+SPLITS = [(1, 4, "ddp"), (1, 1, "ddp"), (2, 1, "ddp"), (4, 1, "fsdp")]
 RTOL = 1e-5  # fp32 rounding: the sums run in another order
 # The weights: to RTOL of the largest (layer norms' ~1). Attention's key bias has an exactly zero gradient (softmax
 # ignores a shift common to all keys): AdamW normalizes its rounding noise into updates of ~1e-6 that differ from
