@@ -37,6 +37,10 @@ from train.launch.forwarding import alive
 from train.launch.passthrough import Passthrough
 
 RUNNING = ["train.steps=400"]  # long enough to be stopped in the middle
+# One rank, for the tests of how a signal reaches the workers and what the launcher then says: torchrun passes it to
+# each worker alike, and a stop's agreement among several ranks is tests/processes/test_stops.py's (here: the stops
+# during the first step and during torchrun's second round, a rank's own error among several, a usage error said once)
+ONE_RANK = ("--nproc-per-node=1",)
 
 
 def _stopped_cleanly(run_dir, rc: int, err: str) -> dict:
@@ -50,8 +54,8 @@ def _stopped_cleanly(run_dir, rc: int, err: str) -> dict:
 
 def test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75(tmp_path):
     """A dropped SSH session: SIGHUP to the launcher's process group (the launcher and torchrun; torchrun
-    passes SIGHUP on to the workers as it came, besides the launcher's SIGTERM)."""
-    proc = launch(tmp_path, *RUNNING)
+    passes SIGHUP on to the workers as it came, besides the launcher's SIGTERM). One rank (ONE_RANK)."""
+    proc = launch(tmp_path, *RUNNING, launcher=ONE_RANK)
     wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
     os.killpg(proc.pid, signal.SIGHUP)
     rc, out, err = finish(proc)
@@ -61,8 +65,9 @@ def test_a_hang_up_to_the_whole_process_group_checkpoints_and_exits_75(tmp_path)
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
 def test_sighup_or_sigquit_to_torchrun_itself_is_a_stop_for_the_workers(tmp_path, sig):
-    """torchrun handles TERM, INT, HUP and QUIT by sending the same signal to the workers: each is a stop."""
-    proc = launch(tmp_path, *RUNNING)
+    """torchrun handles TERM, INT, HUP and QUIT by sending the same signal to the workers: each is a stop. One rank
+    (ONE_RANK)."""
+    proc = launch(tmp_path, *RUNNING, launcher=ONE_RANK)
     wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
     os.kill(torchrun(proc.pid), sig)
     rc, out, err = finish(proc)
@@ -70,8 +75,9 @@ def test_sighup_or_sigquit_to_torchrun_itself_is_a_stop_for_the_workers(tmp_path
 
 
 def test_a_run_started_under_nohup_keeps_ignoring_hang_ups(tmp_path):
-    """Three hang-ups, each after a step of its own and steps before the end: the run trains on to its end."""
-    proc = launch(tmp_path, "train.steps=16", prefix=("nohup",))
+    """Three hang-ups, each after a step of its own and steps before the end: the run trains on to its end. One rank
+    (ONE_RANK): the launcher, torchrun and the worker each keep the ignore they inherited."""
+    proc = launch(tmp_path, "train.steps=16", launcher=ONE_RANK, prefix=("nohup",))
     wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 120, "step 2")
     ranks = workers(proc.pid)
     for step in (2, 3, 4):
@@ -485,9 +491,9 @@ def test_the_launcher_as_pid_1_stops_on_a_sigterm_before_torchrun_starts(tmp_pat
 
 def test_ctrl_c_to_make_train_local_s_whole_foreground_group_checkpoints(tmp_path):
     """Ctrl-C in a terminal: SIGINT to make, the launcher and torchrun at once (the workers, in sessions of
-    their own, hear of it from torchrun and the launcher)."""
+    their own, hear of it from torchrun and the launcher). One rank (ONE_RANK)."""
     args = " ".join([*TINY, *PACED, f"run.dir={tmp_path}", "train.steps=400"])
-    proc = subprocess.Popen(["make", "--no-print-directory", "train-local", "NPROC=2", f"ARGS={args}"], cwd=ROOT,
+    proc = subprocess.Popen(["make", "--no-print-directory", "train-local", "NPROC=1", f"ARGS={args}"], cwd=ROOT,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     wait_for(lambda: len(logged_steps(tmp_path)) >= 2, 180, "step 2")
@@ -541,22 +547,23 @@ def test_a_stop_signal_inside_torchrun_s_log_call_is_not_shown_as_a_traceback():
 
 
 def _round_two(proc, first: dict[int, int]) -> dict[int, int]:
-    """The workers of torchrun's second round: both ranks, none of them the first round's."""
+    """The workers of torchrun's second round: every rank of the first, none of them the first round's."""
     def restarted():
         found = workers(proc.pid)
-        return found if len(found) == 2 and not set(found.values()) & set(first.values()) else None
+        return found if len(found) == len(first) and not set(found.values()) & set(first.values()) else None
 
     return wait_for(restarted, 120, "the restarted workers")
 
 
-def _round_one(run_dir, sig: signal.Signals, *overrides, env=None):
-    """Round 1 trains to step 2 and gets `sig` on rank 1 alone (one node's kubelet, one srun task; SIGKILL: a
-    crash), then torchrun restarts the group (--max-restarts=1). Returns the launch and round 2's workers."""
-    proc = launch(run_dir, "train.steps=400", *overrides, launcher=("--nproc-per-node=2", "--max-restarts=1"),
+def _round_one(run_dir, sig: signal.Signals, *overrides, env=None, ranks: int = 2):
+    """Round 1 trains to step 2 and gets `sig` on its last rank alone (of 2: one node's kubelet, one srun task;
+    SIGKILL: a crash), then torchrun restarts the group (--max-restarts=1). Returns the launch and round 2's
+    workers."""
+    proc = launch(run_dir, "train.steps=400", *overrides, launcher=(f"--nproc-per-node={ranks}", "--max-restarts=1"),
                   env=env)
     wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "step 2")
-    first = workers(proc.pid)
-    os.kill(first[1], sig)
+    first = wait_for(lambda: w if len(w := workers(proc.pid)) == ranks else None, 60, "round 1's workers")
+    os.kill(first[ranks - 1], sig)
     return proc, _round_two(proc, first)
 
 
@@ -646,7 +653,7 @@ def _name(pid: int) -> str:
 def test_a_stop_during_the_start_up_of_torchrun_s_second_round_is_exit_75(tmp_path):
     """Round 1 trained (its STARTED marker) and crashed; round 2's workers are still starting (held there)
     when the launcher is stopped: nothing was trained since the last checkpoint, so 75, not 1 (`raise
-    STOP_TIMEOUT`, read from round 1's marker)."""
+    STOP_TIMEOUT`, read from round 1's marker). One rank: its crash, its standby held."""
     # Round 2 never gets past its start-up: held when it calls the trainer (a standby, which imported the trainer
     # before its round, reads the round's variables only then)
     env = after_import(tmp_path, "train.trainer", """
@@ -658,7 +665,7 @@ def held(*args, **kwargs):
     return run(*args, **kwargs)
 module.run = held""")
     run_dir = tmp_path / "run"
-    proc, second = _round_one(run_dir, signal.SIGKILL, "checkpoint.every=1", env=env)
+    proc, second = _round_one(run_dir, signal.SIGKILL, "checkpoint.every=1", env=env, ranks=1)
     proc.send_signal(signal.SIGTERM)
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]

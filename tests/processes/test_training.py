@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import GROUPNORM, TINY, after_import, assert_trained_alike, latest_state, run_train, summary
+from tests.conftest import (
+    GROUPNORM,
+    TINY,
+    after_import,
+    assert_trained_alike,
+    copy_run,
+    latest_state,
+    run_train,
+    summary,
+)
 from train import config
 from train.parallel import data
 
@@ -90,9 +100,15 @@ def test_autocast_computes_in_the_precision_asked_and_clips_unscaled_gradients(t
         assert names.index("aten::_amp_foreach_non_finite_check_and_unscale_") < names.index("aten::_foreach_norm")
 
 
-def test_eval_accuracy_is_all_reduced_over_every_rank(tmp_path):
-    """The reported accuracy is that of the whole eval set, recomputed here from the final weights."""
-    run_train(tmp_path, *GROUPNORM, "task.eval_samples=201", "train.steps=12", "optim.lr=0.05", nproc=2)
+# 201 evaluation samples (an odd count: one rank's shard holds a sample more) and a model that learns in 12 steps
+EVALUATED = [*GROUPNORM, "task.eval_samples=201", "optim.lr=0.05"]
+
+
+def test_eval_accuracy_is_all_reduced_over_every_rank(quiet_ddp):
+    """The reported accuracy is that of the whole eval set, recomputed here from the final weights (2 ranks, 12 steps:
+    the quiet-step test's DDP run, quiet_ddp)."""
+    tmp_path = quiet_ddp / "run"
+    assert summary(tmp_path)["steps"] == 12 and latest_state(tmp_path)["step"] == 12
     cfg = config.load("configs/default.yaml", [*TINY, "task.eval_samples=201", *GROUPNORM])  # the run's task
     task = cfg.task_class(cfg.task, cfg.seed)
     eval_set = data.SeededSamples(task.datasets()[1], cfg.seed)
@@ -211,17 +227,37 @@ def _quiet(step: int) -> bool:
             and not (step > SAVE_EVERY and (step - 1) % SAVE_EVERY == 0))
 
 
+def _quiet_run(runs: Path, *overrides: str, patch: str = COUNT_READS) -> Path:
+    """2 ranks of 2 micro-batches each for STEPS steps, their reads counted (COUNT_READS) into runs/reads; the run in
+    runs/run."""
+    (reads := runs / "reads").mkdir()
+    env = after_import(runs, "train.trainer", patch) | {"READS_DIR": str(reads), "RUN_DIR_FOR_TEST": str(runs / "run")}
+    run_train(runs / "run", "train.micro_batch_size=4", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}",
+              f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}", *overrides, nproc=2, env=env)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def quiet_ddp(tmp_path_factory) -> Path:
+    """The quiet-step test's DDP run, made once: it also records whether a DDP model is left at the process group's
+    teardown (DDP_AT_TEARDOWN: the run that ends done), and evaluates 201 samples with a model that learns (EVALUATED:
+    the evaluation's all-reduce)."""
+    teardown = "\nimport train.parallel.distributed as module\n" + DDP_AT_TEARDOWN  # patched from train.trainer's
+    return _quiet_run(tmp_path_factory.mktemp("quiet_ddp"), "dist.strategy=ddp", *EVALUATED,
+                      patch=COUNT_READS + teardown)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_step_that_logs_evaluates_and_saves_nothing_waits_for_no_device_work(tmp_path, strategy):
+def test_a_step_that_logs_evaluates_and_saves_nothing_waits_for_no_device_work(tmp_path, request, strategy):
     """On a GPU the host queues a step's work and goes on to the next step's without waiting for the device:
     no read of a tensor's value by the template's own code (its loss sum, the stop agreement) in a step that
     logs, evaluates and saves nothing, 2 ranks of 2 micro-batches each (counted by a patch in each rank:
-    COUNT_READS). The steps that do log, evaluate or save read, as they must: the count sees them."""
-    (reads := tmp_path / "reads").mkdir()
-    env = after_import(tmp_path, "train.trainer", COUNT_READS) | {"READS_DIR": str(reads)}
-    run_train(tmp_path / "run", f"dist.strategy={strategy}", "train.micro_batch_size=4", f"train.steps={STEPS}",
-              f"train.log_every={LOG_EVERY}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}",
-              nproc=2, env=env)
+    COUNT_READS). The steps that do log, evaluate or save read, as they must: the count sees them. (The DDP run,
+    with GROUPNORM, serves two more tests: quiet_ddp.)"""
+    if strategy == "ddp":
+        reads = request.getfixturevalue("quiet_ddp") / "reads"
+    else:
+        reads = _quiet_run(tmp_path, "dist.strategy=fsdp") / "reads"
     for rank in (0, 1):
         lines = [json.loads(line) for line in (reads / f"rank{rank}.jsonl").read_text().splitlines()]
         quiet = [f"step {r['step']}: {r['read']}" for r in lines if r["step"] and _quiet(r["step"])]
@@ -291,25 +327,27 @@ module.teardown = recorded
 
 
 @pytest.mark.parametrize("end", ["done", "diverged", "refused relaunch"])
-def test_the_model_is_freed_before_the_process_group(tmp_path, end):
+def test_the_model_is_freed_before_the_process_group(tmp_path, request, end):
     """Two ranks under DDP: no DDP model is left when the trainer destroys the process group, whether the run ends
     done, diverged (exit 2, raised in fit) or refused as it resumes (another optimizer: exit 2, raised in the
     resume). Freed after it (when trainer.run returned, or with an exception's frames holding it), DDP's reducer
     destroyed the gloo group itself, holding the GIL while it joined gloo's threads, one of which waited for the GIL
     to free the last all-gather's tensors: torch 2.11 hung after "done" in 8 of 44 runs on a busy 2-core machine, 0
     of 48 with the model freed first. This checks the order, which decides it, in every run (the race itself needs
-    a gloo thread paused at the wrong moment)."""
+    a gloo thread paused at the wrong moment). Done: the quiet-step test's DDP run (quiet_ddp), which ends with an
+    evaluation; refused: a copy of the session's finished_two_ranks (SGD) relaunched with AdamW."""
     run_dir = tmp_path / "run"
-    env = after_import(tmp_path, "train.parallel.distributed", DDP_AT_TEARDOWN)
-    env["RUN_DIR_FOR_TEST"] = str(run_dir)
+    env = after_import(tmp_path, "train.parallel.distributed", DDP_AT_TEARDOWN) | {"RUN_DIR_FOR_TEST": str(run_dir)}
     if end == "refused relaunch":
-        run_train(run_dir, "train.steps=2", nproc=2)  # its checkpoint at the end: SGD's state
-        last = run_train(run_dir, "train.steps=4", "optim.name=adamw", nproc=2, env=env, expect=1)  # torchrun's 1
+        copy_run(request.getfixturevalue("finished_two_ranks"), run_dir)  # its checkpoint at the end: SGD's state
+        last = run_train(run_dir, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=2",
+                         "optim.name=adamw", nproc=2, env=env, expect=1)  # torchrun's 1
         assert "with optim.name sgd -> adamw refused" in last.stderr, last.stderr[-2000:]
     elif end == "diverged":
         last = run_train(run_dir, "train.steps=4", "optim.lr=1e30", nproc=2, env=env, expect=1)  # the ranks' 2
         assert "training diverged" in last.stderr, last.stderr[-2000:]
     else:
-        run_train(run_dir, "train.steps=2", "train.eval_every=2", nproc=2, env=env)
+        run_dir = request.getfixturevalue("quiet_ddp") / "run"
+        assert summary(run_dir)["steps"] == STEPS and STEPS % EVAL_EVERY == 0  # ended done, after an evaluation
     seen = {p.name: p.read_text() for p in run_dir.glob("ddp_at_teardown.*")}
     assert seen == {"ddp_at_teardown.0": "False", "ddp_at_teardown.1": "False"}, seen
