@@ -4,8 +4,7 @@ quarter of the width: 0.7M parameters where ResNet-18 has 11M. The model most te
 What the tests prove (stops, resumes, restarts, hangs, launchers) is the trainer's and holds for any task; a
 ResNet-18 step costs ~0.16 s of CPU on 2 ranks (mostly its parameters: gradients, all-reduce, optimizer, saves),
 this one's a few milliseconds. The tests about the built-in model itself (tests/processes/test_golden.py,
-test_training.py,
-test_fsdp.py's ResNet, the README's run) use `train.tasks.image` (conftest.RESNET).
+test_training.py, the README's run) use `train.tasks.image` (conftest.RESNET).
 
 `task.step_delay_s` sleeps that long in each micro-step: a run whose steps must last while a test acts on it
 (a signal after step N, a kill mid-run) gets the wall time without using the CPU the other tests need;

@@ -180,7 +180,8 @@ def test_a_run_changes_strategy_at_each_stop_ddp_to_fsdp_and_back(tmp_path, lm_r
 
 
 def test_a_resnet_under_fsdp_ends_bitwise_where_ddp_does(tmp_path):
-    """ResNet-18 (its 4 stages as FSDP units, BatchNorm), 2 ranks x 2 micro-steps, fp32 without clipping: with 2
+    """The tests' quarter-width ResNet (tests/small_task.py: the built-in one's 4 stages as FSDP units, BatchNorm),
+    2 ranks x 2 micro-steps, fp32 without clipping: with 2
     ranks the reduce-scatter adds the same two numbers as DDP's all-reduce, so the checkpoints (the gathered
     model, BatchNorm statistics included, under the same names as DDP's, and the optimizer's state) are equal
     bit for bit, those that FSDP saved with checkpoint.async (copied while the next step ran) included."""
