@@ -104,24 +104,33 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, expect: int | None
 def after_import(tmp_path: Path, module: str, patch: str) -> dict:
     """An environment whose PYTHONPATH holds a sitecustomize.py that, in every process of the launch, runs
     `patch` (the body of `def _patch(module):`) right after `module` is first imported."""
+    return after_imports(tmp_path, {module: patch})
+
+
+def after_imports(tmp_path: Path, patches: dict[str, str]) -> dict:
+    """after_import for several modules at once: {module: its patch}, each run right after its module is first
+    imported, in the one sitecustomize.py (in tmp_path/site) every process of the launch runs."""
     folder = tmp_path / "site"
     folder.mkdir()
-    (folder / "sitecustomize.py").write_text(
-        "import importlib.abc, importlib.machinery, sys\n"
-        "class _After(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        f"        if name != {module!r}:\n"
-        "            return None\n"
-        "        sys.meta_path.remove(self)\n"
-        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
-        "        run = spec.loader.exec_module\n"
-        "        def exec_module(mod):\n"
-        "            run(mod)\n"
-        "            _patch(mod)\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, _After())\n"
-        "def _patch(module):\n" + "".join(f"    {line}\n" for line in patch.strip().splitlines()))
+    code = ("import importlib.abc, importlib.machinery, sys\n"
+            "class _After(importlib.abc.MetaPathFinder):\n"
+            "    def __init__(self, module, patch):\n"
+            "        self.module, self.patch = module, patch\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name != self.module:\n"
+            "            return None\n"
+            "        sys.meta_path.remove(self)\n"
+            "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
+            "        run = spec.loader.exec_module\n"
+            "        def exec_module(mod):\n"
+            "            run(mod)\n"
+            "            self.patch(mod)\n"
+            "        spec.loader.exec_module = exec_module\n"
+            "        return spec\n")
+    for i, (module, patch) in enumerate(patches.items()):
+        code += (f"def _patch_{i}(module):\n" + "".join(f"    {line}\n" for line in patch.strip().splitlines())
+                 + f"sys.meta_path.insert(0, _After({module!r}, _patch_{i}))\n")
+    (folder / "sitecustomize.py").write_text(code)
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
     return env

@@ -4,7 +4,6 @@ the world size changes. Real processes (python -m train, torchrun, the launcher)
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -12,7 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PY, ROOT, after_import, clean_env, latest_state, metrics, run_train, summary, train_losses
+from tests.conftest import (
+    PY,
+    ROOT,
+    after_imports,
+    clean_env,
+    latest_state,
+    metrics,
+    run_train,
+    summary,
+    train_losses,
+)
 from tests.procs import environ, finish, kill_family, launch, launcher_command, wait_for, workers
 
 PEAK, WARMUP, FLOOR_RATIO, STEPS = 0.002, 3, 0.1, 24
@@ -246,24 +255,6 @@ if os.environ.get("RANK") == "1":
 # replica of the others': they must agree), the checkpoint resharded as it loads (a relaunch's "applied" rule).
 STRATEGIES = {"ddp": ["dist.strategy=ddp"], "hsdp": ["dist.strategy=hsdp", "dist.shard_size=1"]}
 SEGMENT_STRATEGY = ["ddp", "ddp", "hsdp"]
-
-
-def after_imports(tmp_path: Path, patches: dict[str, str]) -> dict:
-    """conftest.after_import for several modules at once: the one sitecustomize.py a process runs runs each
-    module's (made by after_import) in a namespace of its own."""
-    files = []
-    for i, (module, patch) in enumerate(patches.items()):
-        (tmp_path / f"patch-{i}").mkdir()
-        after_import(tmp_path / f"patch-{i}", module, patch)
-        files.append(tmp_path / f"patch-{i}" / "site" / "sitecustomize.py")
-    folder = tmp_path / "site"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text("".join(
-        f"exec(compile(open({str(f)!r}).read(), {str(f)!r}, 'exec'), {{'__name__': 'sitecustomize_{i}'}})\n"
-        for i, f in enumerate(files)))
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
-    return env
 
 
 @pytest.fixture(scope="module")

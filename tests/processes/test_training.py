@@ -13,6 +13,7 @@ from tests.conftest import (
     GROUPNORM,
     TINY,
     after_import,
+    after_imports,
     assert_trained_alike,
     copy_run,
     latest_state,
@@ -227,11 +228,12 @@ def _quiet(step: int) -> bool:
             and not (step > SAVE_EVERY and (step - 1) % SAVE_EVERY == 0))
 
 
-def _quiet_run(runs: Path, *overrides: str, patch: str = COUNT_READS) -> Path:
-    """2 ranks of 2 micro-batches each for STEPS steps, their reads counted (COUNT_READS) into runs/reads; the run in
-    runs/run."""
+def _quiet_run(runs: Path, *overrides: str, patches: dict[str, str] | None = None) -> Path:
+    """2 ranks of 2 micro-batches each for STEPS steps, their reads counted (COUNT_READS) into runs/reads, `patches`
+    ({module: patch}, conftest.after_imports) besides; the run in runs/run."""
     (reads := runs / "reads").mkdir()
-    env = after_import(runs, "train.trainer", patch) | {"READS_DIR": str(reads), "RUN_DIR_FOR_TEST": str(runs / "run")}
+    env = after_imports(runs, {"train.trainer": COUNT_READS} | (patches or {})) | {
+        "READS_DIR": str(reads), "RUN_DIR_FOR_TEST": str(runs / "run")}
     run_train(runs / "run", "train.micro_batch_size=4", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}",
               f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={SAVE_EVERY}", *overrides, nproc=2, env=env)
     return runs
@@ -242,9 +244,8 @@ def quiet_ddp(tmp_path_factory) -> Path:
     """The quiet-step test's DDP run, made once: it also records whether a DDP model is left at the process group's
     teardown (DDP_AT_TEARDOWN: the run that ends done), and evaluates 201 samples with a model that learns (EVALUATED:
     the evaluation's all-reduce)."""
-    teardown = "\nimport train.parallel.distributed as module\n" + DDP_AT_TEARDOWN  # patched from train.trainer's
     return _quiet_run(tmp_path_factory.mktemp("quiet_ddp"), "dist.strategy=ddp", *EVALUATED,
-                      patch=COUNT_READS + teardown)
+                      patches={"train.parallel.distributed": DDP_AT_TEARDOWN})
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
